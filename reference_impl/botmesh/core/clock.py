@@ -1,0 +1,250 @@
+"""Injected time. The durability engine never reads the wall clock or sleeps directly:
+it asks a :class:`Clock`. Production uses :class:`RealClock`; tests use
+:class:`VirtualClock`, which runs leases, backoff and retention in virtual time.
+
+How the virtual clock knows when it may move time forward: every unit of engine work
+(an inbound event being processed, a sweep pass, a heartbeat write) runs inside
+``clock.busy()``. A task sleeping on the clock inside such a block is not counted as
+busy while it sleeps, and is counted again the moment the clock wakes it. When the count
+reaches zero, nothing will happen before the next deadline, so the clock may jump there.
+Real I/O done inside a busy block (a database round trip) keeps the count up, so time
+never runs ahead of a query in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """What the engine needs of time. ``now()`` is milliseconds since the Unix epoch."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, ms: float) -> None: ...
+
+    def busy(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class RealClock:
+    """Wall-clock time and real sleeping."""
+
+    def now(self) -> float:
+        return time.time() * 1000.0
+
+    async def sleep(self, ms: float) -> None:
+        await asyncio.sleep(max(0.0, ms) / 1000.0)
+
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+class _Sleeper:
+    __slots__ = ("deadline", "future", "task", "woken", "cancelled")
+
+    def __init__(self, deadline: float, future: asyncio.Future[None], task: asyncio.Task[object] | None) -> None:
+        self.deadline = deadline
+        self.future = future
+        self.task = task
+        self.woken = False
+        self.cancelled = False
+
+
+class VirtualClock:
+    """A clock whose time moves only when told to (``advance``, ``run_until``) or, in
+    auto mode, whenever all busy work is blocked on the clock.
+
+    ``settle_timeout_s`` bounds (in real seconds) how long the clock waits for busy work
+    to become idle before it reports a stuck test instead of hanging.
+    """
+
+    def __init__(self, start_ms: float = 1_767_225_600_000.0, *, settle_timeout_s: float = 60.0) -> None:
+        self._now = float(start_ms)
+        self._heap: list[tuple[float, int, _Sleeper]] = []
+        self._seq = itertools.count()
+        self._active = 0
+        self._depth: dict[asyncio.Task[object] | None, int] = {}
+        self._idle: asyncio.Event | None = None
+        self._new_sleeper: asyncio.Event | None = None
+        self._auto_task: asyncio.Task[None] | None = None
+        self.settle_timeout_s = settle_timeout_s
+
+    # -- the Clock protocol -------------------------------------------------------------
+    def now(self) -> float:
+        return self._now
+
+    async def sleep(self, ms: float) -> None:
+        if ms <= 0:
+            await asyncio.sleep(0)
+            return
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        in_busy = self._depth.get(task, 0) > 0
+        sleeper = _Sleeper(self._now + ms, loop.create_future(), task if in_busy else None)
+        heapq.heappush(self._heap, (sleeper.deadline, next(self._seq), sleeper))
+        if in_busy:
+            self._dec()
+        if self._new_sleeper is not None:
+            self._new_sleeper.set()
+        try:
+            await sleeper.future
+        except asyncio.CancelledError:
+            sleeper.cancelled = True
+            if in_busy and not sleeper.woken:
+                # the busy block we are in will decrement on exit: credit it back
+                self._active += 1
+            raise
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        task = asyncio.current_task()
+        self._depth[task] = self._depth.get(task, 0) + 1
+        if self._depth[task] == 1:
+            self._active += 1
+        try:
+            yield
+        finally:
+            self._depth[task] -= 1
+            if self._depth[task] == 0:
+                del self._depth[task]
+                self._dec()
+
+    # -- driving time -------------------------------------------------------------------
+    def _dec(self) -> None:
+        self._active -= 1
+        if self._active == 0 and self._idle is not None:
+            self._idle.set()
+
+    @property
+    def active(self) -> int:
+        """Number of busy units of work not blocked on the clock."""
+        return self._active
+
+    def next_deadline(self) -> float | None:
+        """The earliest pending sleep deadline, or None when nothing sleeps."""
+        while self._heap and (self._heap[0][2].cancelled or self._heap[0][2].future.done()):
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    async def settle(self) -> None:
+        """Wait (in real time) until no busy work is runnable and the event loop has run
+        every ready callback."""
+        loop = asyncio.get_running_loop()
+        limit = time.monotonic() + self.settle_timeout_s
+        while True:
+            for _ in range(4):
+                await asyncio.sleep(0)
+            ready = len(getattr(loop, "_ready", ()))
+            if self._active <= 0 and ready == 0:
+                await asyncio.sleep(0)
+                if self._active <= 0 and len(getattr(loop, "_ready", ())) == 0:
+                    return
+                continue
+            if self._active > 0:
+                if self._idle is None:
+                    self._idle = asyncio.Event()
+                self._idle.clear()
+                remaining = limit - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"VirtualClock: busy work did not become idle within {self.settle_timeout_s}s of real time"
+                    )
+                try:
+                    await asyncio.wait_for(self._idle.wait(), timeout=min(remaining, 0.05))
+                except TimeoutError:
+                    pass
+
+    def _wake_due(self, until: float) -> bool:
+        woke = False
+        while True:
+            deadline = self.next_deadline()
+            if deadline is None or deadline > until:
+                break
+            _, _, sleeper = heapq.heappop(self._heap)
+            if deadline > self._now:
+                self._now = deadline
+            sleeper.woken = True
+            if sleeper.task is not None:
+                self._active += 1
+            sleeper.future.set_result(None)
+            woke = True
+            # wake everything due at exactly this instant together
+            nxt = self.next_deadline()
+            if nxt is None or nxt > deadline:
+                break
+        return woke
+
+    async def advance(self, ms: float) -> None:
+        """Move time forward by ``ms``, waking sleepers in deadline order and letting the
+        work they start settle at each step."""
+        await self.advance_to(self._now + ms)
+
+    async def advance_to(self, target: float) -> None:
+        """Move time forward to ``target`` (milliseconds since the epoch)."""
+        await self.settle()
+        while True:
+            deadline = self.next_deadline()
+            if deadline is None or deadline > target:
+                break
+            self._wake_due(deadline)
+            await self.settle()
+        if target > self._now:
+            self._now = target
+        await self.settle()
+
+    async def step(self) -> bool:
+        """Jump to the next deadline (if any), wake what is due and settle. Returns False
+        when nothing sleeps."""
+        await self.settle()
+        deadline = self.next_deadline()
+        if deadline is None:
+            return False
+        self._wake_due(deadline)
+        await self.settle()
+        return True
+
+    async def run_until(self, predicate: Callable[[], bool], *, within_ms: float = 3_600_000.0) -> None:
+        """Advance deadline by deadline until ``predicate()`` holds; raise TimeoutError
+        naming the virtual time spent when it does not hold within ``within_ms``."""
+        limit = self._now + within_ms
+        await self.settle()
+        while not predicate():
+            deadline = self.next_deadline()
+            if deadline is None or deadline > limit:
+                raise TimeoutError(f"condition not reached within {within_ms} ms of virtual time")
+            self._wake_due(deadline)
+            await self.settle()
+
+    @contextlib.asynccontextmanager
+    async def auto(self, *, max_ms: float | None = None) -> AsyncIterator[None]:
+        """Within the block, time jumps to the next deadline whenever the busy work is
+        idle: a test may simply ``await`` a dispatch whose send retries with backoff."""
+        limit = None if max_ms is None else self._now + max_ms
+
+        async def drive() -> None:
+            while True:
+                await self.settle()
+                deadline = self.next_deadline()
+                if deadline is None or (limit is not None and deadline > limit):
+                    if self._new_sleeper is None:
+                        self._new_sleeper = asyncio.Event()
+                    self._new_sleeper.clear()
+                    await self._new_sleeper.wait()
+                    continue
+                self._wake_due(deadline)
+
+        self._auto_task = asyncio.ensure_future(drive())
+        try:
+            yield
+        finally:
+            self._auto_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._auto_task
+            self._auto_task = None

@@ -1,0 +1,201 @@
+"""The ``durability=`` setting of a bot, validated when the bot is built (CONF-1).
+
+Every bad value raises :class:`~botmesh.core.errors.ConfigError` whose ``option`` names
+the setting (``"durability.outbox.lease_ms"``) and whose message says what was given and
+what is accepted. Unknown keys are refused too: a typo must not silently fall back to a
+default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import DurabilityBackend
+from .errors import ConfigError
+
+_UNITS = {"ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0, "d": 86_400_000.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+
+
+def parse_duration(value: Any, option: str) -> float:
+    """Milliseconds from ``"250ms"``, ``"15s"``, ``"5m"``, ``"2h"``, ``"7d"`` or a
+    non-negative number of milliseconds (CONF-1)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{option}: expected a duration, got {value!r}", option=option, value=value)
+    if isinstance(value, (int, float)):
+        if value < 0 or value != value:
+            raise ConfigError(f"{option}: a duration must be >= 0 ms, got {value!r}", option=option, value=value)
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
+    raise ConfigError(
+        f"{option}: {value!r} is not a duration (use e.g. '250ms', '15s', '5m', '2h', '7d' or milliseconds)",
+        option=option,
+        value=value,
+    )
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """``min(cap_ms, base_ms * 2**(attempt-1))`` spread by ± ``jitter`` (RETRY-1)."""
+
+    base_ms: float = 1000.0
+    cap_ms: float = 60_000.0
+    jitter: float = 0.2
+
+    def delay(self, attempt: int, rand: float) -> float:
+        """Delay before the attempt after failed attempt number ``attempt`` (1-based);
+        ``rand`` in [0, 1) spreads it."""
+        raw = min(self.cap_ms, self.base_ms * (2 ** max(0, attempt - 1)))
+        return max(0.0, raw * (1.0 + self.jitter * (2.0 * rand - 1.0)))
+
+
+@dataclass(frozen=True)
+class InboxConfig:
+    lease_ms: float = 60_000.0
+    max_attempts: int = 5
+    backoff: Backoff = field(default_factory=Backoff)
+    media_refs: bool = True
+
+
+@dataclass(frozen=True)
+class OutboxConfig:
+    retries: int = 5
+    backoff: Backoff = field(default_factory=Backoff)
+    inline_max_ms: float = 15_000.0
+    on_ambiguous: str = "skip"
+    on_diverged: str = "send"
+    max_payload_bytes: int = 1024 * 1024
+    lease_ms: float = 60_000.0
+
+
+@dataclass(frozen=True)
+class DurabilityConfig:
+    """The validated ``durability=`` setting (see the CONF table of the spec)."""
+
+    backend: DurabilityBackend
+    instance_id: str | None = None
+    fail_open: bool = False
+    inbox: InboxConfig = field(default_factory=InboxConfig)
+    outbox: OutboxConfig = field(default_factory=OutboxConfig)
+    poll_ms: float = 1000.0
+    retention_ms: float = 7 * 86_400_000.0
+
+
+def _mapping(value: Any, option: str, allowed: set[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option}: expected a dict, got {type(value).__name__}", option=option, value=value)
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{option}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(allowed))}",
+            option=f"{option}.{unknown[0]}",
+            value=value[unknown[0]],
+        )
+    return value
+
+
+def _int(value: Any, option: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{option}: expected an integer >= {minimum}, got {value!r}", option=option, value=value)
+    return value
+
+
+def _bool(value: Any, option: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{option}: expected True or False, got {value!r}", option=option, value=value)
+    return value
+
+
+def _choice(value: Any, option: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(
+            f"{option}: {value!r} is not one of {', '.join(map(repr, choices))}", option=option, value=value
+        )
+    return str(value)
+
+
+def _backoff(value: Any, option: str, default: Backoff) -> Backoff:
+    raw = _mapping(value, option, {"base_ms", "cap_ms", "jitter"})
+    base = parse_duration(raw.get("base_ms", default.base_ms), f"{option}.base_ms")
+    cap = parse_duration(raw.get("cap_ms", default.cap_ms), f"{option}.cap_ms")
+    jitter = raw.get("jitter", default.jitter)
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter <= 1:
+        raise ConfigError(f"{option}.jitter: expected a number in [0, 1], got {jitter!r}", option=f"{option}.jitter", value=jitter)
+    if cap < base:
+        raise ConfigError(f"{option}.cap_ms ({cap} ms) is below base_ms ({base} ms)", option=f"{option}.cap_ms", value=cap)
+    return Backoff(base, cap, float(jitter))
+
+
+def parse_durability(value: Any) -> DurabilityConfig:
+    """Validate the ``durability=`` setting of a bot. ``{}`` means a fresh
+    ``MemoryDurability`` (ENABLE-2)."""
+    from .spi import MemoryDurability  # local: spi imports this package's backend module
+
+    raw = _mapping(
+        value,
+        "durability",
+        {"backend", "instance_id", "fail_open", "inbox", "outbox", "poll_ms", "retention"},
+    )
+    backend = raw.get("backend")
+    if backend is None:
+        backend = MemoryDurability()
+    elif not isinstance(backend, DurabilityBackend):
+        raise ConfigError(
+            f"durability.backend: expected a DurabilityBackend (e.g. FileDurability, store.durability()), "
+            f"got {type(backend).__name__}",
+            option="durability.backend",
+            value=backend,
+        )
+    instance_id = raw.get("instance_id")
+    if instance_id is not None and (not isinstance(instance_id, str) or not instance_id.strip()):
+        raise ConfigError(f"durability.instance_id: expected a non-empty string, got {instance_id!r}", option="durability.instance_id", value=instance_id)
+
+    ib = _mapping(raw.get("inbox"), "durability.inbox", {"lease_ms", "max_attempts", "backoff", "media_refs"})
+    inbox = InboxConfig(
+        lease_ms=parse_duration(ib.get("lease_ms", "60s"), "durability.inbox.lease_ms"),
+        max_attempts=_int(ib.get("max_attempts", 5), "durability.inbox.max_attempts", 1),
+        backoff=_backoff(ib.get("backoff"), "durability.inbox.backoff", Backoff()),
+        media_refs=_bool(ib.get("media_refs", True), "durability.inbox.media_refs"),
+    )
+    if inbox.lease_ms < 20:
+        raise ConfigError(f"durability.inbox.lease_ms: at least 20 ms, got {inbox.lease_ms} ms", option="durability.inbox.lease_ms", value=ib.get("lease_ms"))
+
+    ob = _mapping(
+        raw.get("outbox"),
+        "durability.outbox",
+        {"retries", "backoff", "inline_max_ms", "on_ambiguous", "on_diverged", "max_payload_bytes", "lease_ms"},
+    )
+    outbox = OutboxConfig(
+        retries=_int(ob.get("retries", 5), "durability.outbox.retries", 0),
+        backoff=_backoff(ob.get("backoff"), "durability.outbox.backoff", inbox.backoff),
+        inline_max_ms=parse_duration(ob.get("inline_max_ms", "15s"), "durability.outbox.inline_max_ms"),
+        on_ambiguous=_choice(ob.get("on_ambiguous", "skip"), "durability.outbox.on_ambiguous", ("skip", "resend")),
+        on_diverged=_choice(ob.get("on_diverged", "send"), "durability.outbox.on_diverged", ("send", "skip")),
+        max_payload_bytes=_int(ob.get("max_payload_bytes", 1024 * 1024), "durability.outbox.max_payload_bytes", 1),
+        lease_ms=parse_duration(ob.get("lease_ms", "60s"), "durability.outbox.lease_ms"),
+    )
+    if outbox.lease_ms < 20:  # OUT-17
+        raise ConfigError(
+            f"durability.outbox.lease_ms: at least 20 ms (OUT-17), got {outbox.lease_ms} ms",
+            option="durability.outbox.lease_ms",
+            value=ob.get("lease_ms"),
+        )
+    poll_ms = parse_duration(raw.get("poll_ms", "1s"), "durability.poll_ms")
+    if poll_ms <= 0:
+        raise ConfigError("durability.poll_ms: must be > 0", option="durability.poll_ms", value=raw.get("poll_ms"))
+    return DurabilityConfig(
+        backend=backend,
+        instance_id=instance_id,
+        fail_open=_bool(raw.get("fail_open", False), "durability.fail_open"),
+        inbox=inbox,
+        outbox=outbox,
+        poll_ms=poll_ms,
+        retention_ms=parse_duration(raw.get("retention", "7d"), "durability.retention"),
+    )

@@ -1,0 +1,683 @@
+"""The durability engine: the inbox and outbox journals at work (INB, OUT, LEASE, SCOPE,
+RETRY, OPS, MEDIA, GUAR of the spec).
+
+One :class:`DurabilityRuntime` per bot. It owns no storage: every journal write goes to
+the :class:`~botmesh.core.backend.DurabilityBackend`, every reading of time to the bot's
+clock. Each unit of work runs inside ``clock.busy()`` so a virtual clock knows when it
+may move time forward.
+
+Choices where the spec is silent (also in the README):
+
+* A fresh inline send is journaled directly in state ``sending`` (one write), so the
+  ambiguity window of OUT-14 starts at that write: a crash right after it is treated as
+  ambiguous on restart, although the provider may not have been called yet.
+* LEASE-4 is implemented with an *incarnation* id (random per ``start()``): the first
+  sweep after a start takes back every lease held by the same ``instance_id`` under
+  another incarnation, whatever its expiry; later sweeps only take expired leases.
+* ``attempts`` of an outbox record counts claims for sending (provider calls, plus the
+  claim that resolves an ambiguity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import content as contentlib
+from .backend import DurabilityBackend
+from .config import DurabilityConfig
+from .errors import SendDeferredError, SendFailedError
+from .provider import InboundEvent, RateLimitedError, is_definitive
+from .records import InboxRecord, OutboxRecord
+
+if TYPE_CHECKING:
+    from .bot import Bot, Context
+
+log = logging.getLogger("botmesh.durability")
+
+METRIC_KEYS = (
+    "inbound_journaled",
+    "inbound_duplicates",
+    "inbound_replayed",
+    "inbound_dead",
+    "outbox_journaled",
+    "outbox_deduped",
+    "outbox_retried",
+    "outbox_deferred",
+    "outbox_dead",
+    "outbox_ambiguous",
+    "outbox_bypassed",
+    "stale_leases",
+    "outbox_diverged",
+)
+
+
+@dataclass
+class SendResult:
+    """What ``ctx.reply``/``bot.send`` return. ``message_id`` is the provider's id of the
+    first part (None when the send was skipped as ``unknown`` or is still pending);
+    ``deduped`` is True when answered from the outbox (OUT-2)."""
+
+    message_id: str | None
+    key: str | None = None
+    message_ids: list[str] = field(default_factory=list)
+    deduped: bool = False
+    state: str = "sent"
+
+
+@dataclass
+class _Sent:
+    message_id: str
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+    delay: float
+
+
+@dataclass
+class _Dead:
+    error: BaseException | str
+
+
+def derive_scope(tenant_id: str | None, environment_id: str | None, bot_id: str, connection_id: str) -> str:
+    """The scope id of SCOPE-1: ``tenant/environment/bot/connection`` ("-" when unset)."""
+    return "/".join(p if p else "-" for p in (tenant_id, environment_id, bot_id, connection_id))
+
+
+class _Journal:
+    """``bot.durability.inbox`` / ``.outbox``: the operator's view of one journal."""
+
+    def __init__(self, runtime: DurabilityRuntime, kind: str) -> None:
+        self._rt = runtime
+        self._kind = kind
+
+    async def list(self, state: str | None = None, *, limit: int = 1000) -> list[Any]:
+        """Records of this journal, optionally of one state (``"dead"`` is the DLQ)."""
+        b, scope = self._rt.backend, self._rt.scope
+        if self._kind == "inbox":
+            return list(await b.inbox_list(scope, state=state, limit=limit))
+        return list(await b.outbox_list(scope, state=state, limit=limit))
+
+    async def get(self, id: str) -> Any:
+        b, scope = self._rt.backend, self._rt.scope
+        return await (b.inbox_get(scope, id) if self._kind == "inbox" else b.outbox_get(scope, id))
+
+    async def discard(self, key: str) -> bool:
+        """Forget an outbox record (OPS-2)."""
+        if self._kind != "outbox":
+            raise TypeError("discard is an outbox operation")
+        with self._rt.clock.busy():
+            return await self._rt.backend.outbox_discard(self._rt.scope, key)
+
+
+class DurabilityRuntime:
+    """``bot.durability``: the engine and its operator API (OPS-2)."""
+
+    def __init__(self, bot: Bot, config: DurabilityConfig) -> None:
+        self.bot = bot
+        self.config = config
+        self.backend: DurabilityBackend = config.backend
+        self.clock = bot.clock
+        self.scope = derive_scope(bot.tenant_id, bot.environment_id, bot.bot_id, bot.connection_id)
+        if config.instance_id is not None:
+            self.instance_id = config.instance_id
+        else:  # LEASE-3
+            base = f"{socket.gethostname()}/{bot.bot_id}/{bot.connection_id}"
+            self.instance_id = f"{base}/{uuid.uuid4().hex[:8]}" if self.backend.capabilities.shared else base
+        self.incarnation = uuid.uuid4().hex
+        self.inbox = _Journal(self, "inbox")
+        self.outbox = _Journal(self, "outbox")
+        self._metrics = dict.fromkeys(METRIC_KEYS, 0)
+        self._recovered = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sweep_task: asyncio.Task[None] | None = None
+        self._local_inbound: set[str] = set()
+        self._chat_locks: dict[str, asyncio.Lock] = {}
+        self._seq = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.incarnation = uuid.uuid4().hex
+        self._recovered = False
+        await self.backend.start()
+        self._sweep_task = asyncio.ensure_future(self._sweep_loop())
+
+    async def stop(self) -> None:
+        await self._cancel_tasks()
+        await self.backend.stop()
+
+    async def abandon(self) -> None:
+        """Stop every task of this runtime without touching the backend: what a process
+        death leaves behind (tests, TEST-3)."""
+        await self._cancel_tasks()
+
+    async def _cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        if self._sweep_task is not None:
+            tasks.append(self._sweep_task)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks.clear()
+        self._sweep_task = None
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- metrics and events ---------------------------------------------------------------
+    def metrics(self) -> dict[str, int]:
+        """A copy of the counters of OPS-2."""
+        return dict(self._metrics)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._metrics[name] += n
+
+    def _now(self) -> float:
+        return self.clock.now()
+
+    def _expires(self) -> float | None:
+        r = self.config.retention_ms
+        return None if r <= 0 else self._now() + r
+
+    def _chat_lock(self, chat_id: str) -> asyncio.Lock:
+        lock = self._chat_locks.get(chat_id)
+        if lock is None:
+            lock = self._chat_locks[chat_id] = asyncio.Lock()
+        return lock
+
+    # -- heartbeat (LEASE-1) ------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Any:
+        async def loop() -> None:
+            while True:
+                await self.clock.sleep(lease_ms / 3.0)
+                with self.clock.busy():
+                    if not await beat(self._now() + lease_ms):
+                        return
+
+        task = asyncio.ensure_future(loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                exc = task.exception()
+                if not isinstance(exc, Exception):  # a simulated process death
+                    raise exc  # type: ignore[misc]
+
+    # -- inbox --------------------------------------------------------------------------
+    def _serialize_event(self, event: InboundEvent) -> dict[str, Any]:
+        from .media import journal_media
+
+        return {
+            "id": event.id,
+            "chat_id": event.chat_id,
+            "text": event.text,
+            "kind": event.kind,
+            "user_id": event.user_id,
+            "data": event.data,
+            "media": journal_media(self.bot.provider, event.media, self.config.inbox.media_refs),
+        }
+
+    async def admit(self, event: InboundEvent) -> None:
+        """Journal an inbound event before any handler runs (INB-1), then process it."""
+        with self.clock.busy():
+            now = self._now()
+            lease = self.config.inbox.lease_ms
+            try:
+                record = InboxRecord(
+                    id=event.id, kind=event.kind, chat_id=event.chat_id, event=self._serialize_event(event),
+                    state="leased", attempts=1, token=1, owner=self.instance_id, incarnation=self.incarnation,
+                    lease_until=now + lease, claimed_at=now, created_at=now, updated_at=now,
+                )
+                stored, created = await self.backend.inbox_journal(self.scope, record)
+            except Exception as exc:  # INB-8: fail closed
+                self.bot._forget_seen(event.id)
+                await self.bot._emit("error", {"error": exc, "stage": "inbox.journal", "id": event.id})
+                if self.config.fail_open:
+                    await self.bot._dispatch(event, None)
+                return
+            if not created:  # INB-4
+                self._count("inbound_duplicates")
+                return
+            self._count("inbound_journaled")
+            await self._execute(stored, event)
+
+    async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:
+        """Run the handlers for a leased record and settle it (INB-2, INB-5, INB-6)."""
+        from .media import rehydrate
+
+        self._local_inbound.add(record.id)
+        scope, b = self.scope, self.backend
+        try:
+            async with self._heartbeat(
+                lambda until: b.inbox_heartbeat(scope, record.id, token=record.token, lease_until=until),
+                self.config.inbox.lease_ms,
+            ):
+                replayed_media = None
+                if live_event is None:
+                    ev = record.event
+                    live_event = InboundEvent(
+                        id=ev.get("id", record.id), chat_id=ev.get("chat_id", record.chat_id), text=ev.get("text", ""),
+                        kind=ev.get("kind", record.kind), user_id=ev.get("user_id"), data=ev.get("data") or {},
+                    )
+                    replayed_media = rehydrate(self.bot.provider, ev.get("media"))  # MEDIA-2
+                try:
+                    ctx = await self.bot._prepare(live_event, record, replayed_media)
+                except Exception as exc:  # INB-5: failure before the handlers
+                    await self._inbox_failed(record, exc)
+                    return
+                await self.bot._run_handlers(ctx)  # INB-6: handler errors are reported there
+                ok = await b.inbox_complete(scope, record.id, token=record.token, now=self._now(), expires_at=self._expires())
+                if not ok:
+                    self._count("stale_leases")
+        finally:
+            self._local_inbound.discard(record.id)
+
+    async def _inbox_failed(self, record: InboxRecord, exc: Exception) -> None:
+        now = self._now()
+        if record.attempts >= self.config.inbox.max_attempts:
+            if await self.backend.inbox_kill(self.scope, record.id, token=record.token, now=now, error=repr(exc)):
+                await self._dead("inbox", record.id, exc)
+            else:
+                self._count("stale_leases")
+            return
+        delay = self.config.inbox.backoff.delay(record.attempts, self.bot.rng.random())
+        if not await self.backend.inbox_retry_later(self.scope, record.id, token=record.token, next_at=now + delay, error=repr(exc)):
+            self._count("stale_leases")
+
+    async def _dead(self, kind: str, id: str, error: BaseException | str) -> None:
+        self._count("inbound_dead" if kind == "inbox" else "outbox_dead")
+        await self.bot._emit("durability:dead", {"kind": kind, "id": id, "error": error})
+
+    # -- the sweep ----------------------------------------------------------------------
+    async def _sweep_loop(self) -> None:
+        while True:
+            with self.clock.busy():
+                try:
+                    await self.sweep()
+                except Exception as exc:
+                    await self.bot._emit("error", {"error": exc, "stage": "sweep"})
+            await self.clock.sleep(self.config.poll_ms)
+
+    async def sweep(self) -> None:
+        """One pass: recover or take over due inbound records (INB-3, INB-7, LEASE-2,
+        LEASE-4), deliver due sends (OUT-7, OUT-12, OUT-13, OUT-14), purge (OPS-3)."""
+        recover = not self._recovered
+        now = self._now()
+        upto = math.inf if recover else now
+        b, scope = self.backend, self.scope
+        for id in await b.inbox_due(scope, upto=upto, limit=100):
+            if id in self._local_inbound:
+                continue
+            record = await b.inbox_claim(
+                scope, id, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+                lease_ms=self.config.inbox.lease_ms, recover=recover,
+            )
+            if record is None:
+                continue
+            if record.attempts > self.config.inbox.max_attempts:  # INB-7, GUAR-7
+                error = f"{record.attempts - 1} charged executions never finished"
+                if await b.inbox_kill(scope, id, token=record.token, now=self._now(), error=error):
+                    await self._dead("inbox", id, error)
+                continue
+            self._count("inbound_replayed")
+            await self._execute(record, None)
+        keys = await b.outbox_due(scope, upto=upto, limit=100)
+        records = [r for r in [await b.outbox_get(scope, k) for k in keys] if r is not None]
+        records.sort(key=lambda r: (r.created_at, r.seq, r.part, r.key))
+        for rec in records:
+            lock = self._chat_lock(rec.chat_id)
+            if lock.locked():
+                continue  # an inline send to this chat is in progress: keep its order (OUT-11)
+            async with lock:
+                await self._deliver(rec, recover=recover)
+        self._recovered = True
+        if self.config.retention_ms > 0:
+            await b.inbox_purge(scope, now=self._now(), limit=500)
+            await b.outbox_purge(scope, now=self._now(), limit=500)
+
+    async def _deliver(self, rec: OutboxRecord, *, recover: bool) -> None:
+        """Deliver one due send from the background (enqueued, deferred, failed,
+        ambiguous, or a part waiting behind an earlier one)."""
+        b, scope = self.backend, self.scope
+        if rec.previous_part is not None:  # OUT-12: never overtake an earlier part
+            prev = await b.outbox_get(scope, rec.previous_part)
+            if prev is None or prev.state == "dead":
+                why = "previous part was discarded" if prev is None else f"previous part {prev.key!r} is dead"
+                if rec.state != "sending" and await b.outbox_mark_dead(scope, rec.key, token=None, now=self._now(), error=why):
+                    await self._dead("outbox", rec.key, why)
+                return
+            if prev.state not in ("sent", "unknown"):
+                return  # waiting behind it is not an attempt
+        claim = await b.outbox_claim(
+            scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+            lease_ms=self.config.outbox.lease_ms, recover=recover,
+        )
+        if claim is None:
+            return
+        rec, previous_state = claim
+        if previous_state == "sending":  # OUT-14, GUAR-3
+            if not await self._ambiguous(rec):
+                return
+        elif previous_state == "failed":
+            self._count("outbox_retried")
+        rec = await self._split_claimed(rec)
+        outcome = await self._attempt(rec)
+        if isinstance(outcome, _Sent):
+            await self._after_send(rec, outcome.message_id)
+
+    async def _ambiguous(self, rec: OutboxRecord) -> bool:
+        """Resolve a send found in flight under a dead lease. True: send it again."""
+        self._count("outbox_ambiguous")
+        await self.bot._emit("durability:ambiguous", {"key": rec.key, "chat_id": rec.chat_id})
+        if self.config.outbox.on_ambiguous == "resend":
+            return True
+        if not await self.backend.outbox_mark_unknown(self.scope, rec.key, token=rec.token, now=self._now()):
+            self._count("stale_leases")
+        return False
+
+    async def _split_claimed(self, rec: OutboxRecord) -> OutboxRecord:
+        """OUT-13: a recorded text over the channel limit is split before it is sent; the
+        other parts are journaled first, then the record keeps the first part."""
+        parts = contentlib.split_content(rec.content, self.bot.provider.text_limit)
+        if len(parts) == 1:
+            return rec
+        await self._journal_parts(rec, parts)
+        if not await self.backend.outbox_split(self.scope, rec.key, token=rec.token, content=parts[0]):
+            self._count("stale_leases")
+        return rec.copy(content=parts[0])
+
+    async def _journal_parts(self, first: OutboxRecord, parts: list[dict[str, Any]]) -> None:
+        now = self._now()
+        for i in range(2, len(parts) + 1):
+            part = OutboxRecord(
+                key=contentlib.part_key(first.key, i), chat_id=first.chat_id, content=parts[i - 1],
+                fingerprint=first.fingerprint, rule=first.rule, inbound_id=first.inbound_id,
+                previous_part=contentlib.part_key(first.key, i - 1), part=i, origin=first.origin, state="pending",
+                next_at=now, created_at=first.created_at, updated_at=now, seq=first.seq,
+            )
+            _, created = await self.backend.outbox_journal(self.scope, part)
+            if created:
+                self._count("outbox_journaled")
+
+    # -- one provider call ----------------------------------------------------------------
+    async def _attempt(self, rec: OutboxRecord) -> _Sent | _Failed | _Dead:
+        """Call the provider once for a claimed (``sending``) record and record the
+        outcome (OUT-1, OUT-7, OUT-8)."""
+        b, scope, cfg = self.backend, self.scope, self.config.outbox
+        try:
+            async with self._heartbeat(
+                lambda until: b.outbox_heartbeat(scope, rec.key, token=rec.token, lease_until=until), cfg.lease_ms
+            ):
+                # OUT-6: the provider sees the chat and the content, never the key
+                message_id = await self.bot.provider.send(rec.chat_id, contentlib.decode(rec.content))
+        except Exception as exc:
+            now = self._now()
+            if is_definitive(exc) or rec.attempts >= cfg.retries + 1:
+                if await b.outbox_mark_dead(scope, rec.key, token=rec.token, now=now, error=repr(exc)):
+                    await self._dead("outbox", rec.key, exc)
+                else:
+                    self._count("stale_leases")
+                return _Dead(exc)
+            delay = cfg.backoff.delay(rec.attempts, self.bot.rng.random())
+            if isinstance(exc, RateLimitedError):
+                delay = max(delay, exc.retry_after_ms)
+            if not await b.outbox_mark_failed(scope, rec.key, token=rec.token, next_at=now + delay, error=repr(exc)):
+                self._count("stale_leases")
+            return _Failed(exc, delay)
+        if not await b.outbox_mark_sent(
+            scope, rec.key, token=rec.token, message_id=str(message_id), now=self._now(), expires_at=self._expires()
+        ):
+            self._count("stale_leases")  # LEASE-2: another owner took it over meanwhile
+        return _Sent(str(message_id))
+
+    async def _after_send(self, rec: OutboxRecord, message_id: str) -> None:
+        await self.bot._after_send(rec.chat_id, contentlib.decode(rec.content), message_id, rec.key)
+
+    # -- sends ----------------------------------------------------------------------------
+    def _key_for(self, ctx: Context | None, explicit: str | None) -> tuple[str, str]:
+        if explicit is not None:
+            return explicit, "explicit"  # OUT-3 rule 1 (per bot: the scope isolates it, OUT-4)
+        if ctx is not None and ctx.record_id is not None:
+            ctx._sends += 1
+            return f"{ctx.record_id}:{ctx._sends}", "derived"  # rule 2
+        return f"rnd:{uuid.uuid4().hex}", "random"  # rule 3
+
+    async def send(self, chat_id: str, content: Any, *, idempotency_key: str | None, ctx: Context | None) -> SendResult:
+        """``ctx.reply``/``bot.send`` with durability (OUT-1..OUT-15)."""
+        with self.clock.busy():
+            content = contentlib.normalize(content)
+            key, rule = self._key_for(ctx, idempotency_key)
+            try:
+                fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
+            except contentlib.UnencodableContent as exc:
+                return await self._bypass(chat_id, content, str(exc))
+            async with self._chat_lock(chat_id):  # OUT-11
+                existing = await self.backend.outbox_get(self.scope, key)
+                if existing is not None and rule == "derived" and existing.fingerprint != fp:  # OUT-5
+                    self._count("outbox_diverged")
+                    log.warning(
+                        "outbox %r: a replay produced other content than the recorded send (on_diverged=%s)",
+                        key, self.config.outbox.on_diverged,
+                    )
+                    if self.config.outbox.on_diverged == "send":
+                        key = f"{key}~{fp[:12]}"
+                        existing = await self.backend.outbox_get(self.scope, key)
+                if existing is not None:
+                    return await self._drive_existing(existing)
+                prepared = await self.bot._run_before_send(chat_id, content)
+                if prepared is None:
+                    return SendResult(None, key, state="cancelled")
+                try:
+                    encoded = contentlib.encode(prepared)
+                except contentlib.UnencodableContent as exc:
+                    return await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
+                if contentlib.encoded_size(encoded) > self.config.outbox.max_payload_bytes:
+                    return await self._bypass(chat_id, prepared, "payload over outbox.max_payload_bytes", hooks_done=True)
+                rec = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
+                if rec.state != "sending":
+                    claim = await self.backend.outbox_claim(
+                        self.scope, key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+                        lease_ms=self.config.outbox.lease_ms, recover=False,
+                    )
+                    if claim is None:
+                        return SendResult(None, key, state="pending")
+                    rec = claim[0]
+                return await self._inline(rec)
+
+    async def _journal_new(
+        self, key: str, rule: str, chat_id: str, encoded: dict[str, Any], fp: str, ctx: Context | None, *, origin: str
+    ) -> OutboxRecord:
+        """Journal a new send (OUT-1): one record in state ``sending`` (inline, fits the
+        channel) or ``pending``; a text over the limit is split into parts first
+        (OUT-12)."""
+        now = self._now()
+        self._seq += 1
+        parts = contentlib.split_content(encoded, self.bot.provider.text_limit)
+        inline_single = origin == "inline" and len(parts) == 1
+        rec = OutboxRecord(
+            key=key, chat_id=chat_id, content=encoded, fingerprint=fp, rule=rule,
+            inbound_id=ctx.record_id if ctx is not None else None, origin=origin,
+            state="sending" if inline_single else "pending", attempts=1 if inline_single else 0,
+            token=1 if inline_single else 0,
+            owner=self.instance_id if inline_single else None, incarnation=self.incarnation if inline_single else None,
+            lease_until=now + self.config.outbox.lease_ms if inline_single else None,
+            claimed_at=now if inline_single else None, next_at=None if inline_single else now,
+            created_at=now, updated_at=now, seq=self._seq,
+        )
+        stored, created = await self.backend.outbox_journal(self.scope, rec)
+        if not created:
+            return stored
+        self._count("outbox_journaled")
+        if len(parts) > 1:
+            await self._journal_parts(rec, parts)
+            if not await self.backend.outbox_split(self.scope, key, token=None, content=parts[0]):
+                self._count("stale_leases")
+            rec = rec.copy(content=parts[0])
+        return rec
+
+    async def _drive_existing(self, rec: OutboxRecord) -> SendResult:
+        """A send whose key is journaled already: answer from the outbox (OUT-2) or
+        finish it."""
+        if rec.state == "sent":
+            self._count("outbox_deduped")
+            return SendResult(rec.message_id, rec.key, [rec.message_id] if rec.message_id else [], deduped=True)
+        if rec.state == "dead":
+            raise SendFailedError(rec.key, rec.error or "dead")
+        if rec.state == "unknown":
+            return SendResult(None, rec.key, state="unknown")
+        claim = await self.backend.outbox_claim(
+            self.scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+            lease_ms=self.config.outbox.lease_ms, recover=True,
+        )
+        if claim is None:  # in flight elsewhere or not due yet: the sweep owns it now
+            return SendResult(None, rec.key, state=rec.state)
+        new, previous_state = claim
+        if previous_state == "sending" and not await self._ambiguous(new):
+            return SendResult(None, rec.key, state="unknown")
+        new = await self._split_claimed(new)
+        return await self._inline(new)
+
+    async def _inline(self, rec: OutboxRecord) -> SendResult:
+        """Send a claimed record and its later parts, retrying inline for up to
+        ``outbox.inline_max_ms`` (OUT-9), then raising ``SendDeferredError``."""
+        started = self._now()
+        first_key = rec.key
+        ids: list[str] = []
+        while True:
+            outcome = await self._attempt(rec)
+            if isinstance(outcome, _Sent):
+                ids.append(outcome.message_id)
+                await self._after_send(rec, outcome.message_id)
+                nxt = await self._next_part(rec)
+                if nxt is None:
+                    return SendResult(ids[0], first_key, ids)
+                rec = nxt
+                continue
+            if isinstance(outcome, _Dead):
+                raise SendFailedError(rec.key, repr(outcome.error), outcome.error if isinstance(outcome.error, BaseException) else None)
+            if self._now() + outcome.delay - started > self.config.outbox.inline_max_ms:
+                self._count("outbox_deferred")
+                raise SendDeferredError(rec.key, outcome.error)
+            await self.clock.sleep(outcome.delay)
+            claim = await self.backend.outbox_claim(
+                self.scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+                lease_ms=self.config.outbox.lease_ms, recover=False,
+            )
+            if claim is None:
+                self._count("outbox_deferred")
+                raise SendDeferredError(rec.key, outcome.error)
+            self._count("outbox_retried")
+            rec = claim[0]
+
+    async def _next_part(self, rec: OutboxRecord) -> OutboxRecord | None:
+        base = rec.key if rec.part == 1 else rec.key[: -len(f"#{rec.part}")]
+        nxt = await self.backend.outbox_get(self.scope, contentlib.part_key(base, rec.part + 1))
+        if nxt is None or nxt.previous_part != rec.key:
+            return None
+        claim = await self.backend.outbox_claim(
+            self.scope, nxt.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+            lease_ms=self.config.outbox.lease_ms, recover=False,
+        )
+        return None if claim is None else claim[0]
+
+    async def _bypass(self, chat_id: str, content: dict[str, Any], why: str, *, hooks_done: bool = False) -> SendResult:
+        """OUT-15: content that cannot be journaled is sent without the outbox."""
+        self._count("outbox_bypassed")
+        log.warning("send to %r bypasses the outbox: %s", chat_id, why)
+        if not hooks_done:
+            prepared = await self.bot._run_before_send(chat_id, content)
+            if prepared is None:
+                return SendResult(None, None, state="cancelled")
+            content = prepared
+        message_id = str(await self.bot.provider.send(chat_id, content))
+        await self.bot._after_send(chat_id, content, message_id, None)
+        return SendResult(message_id, None, [message_id])
+
+    async def enqueue(self, chat_id: str, content: Any, *, idempotency_key: str | None) -> dict[str, str]:
+        """OUT-10: run the ``before("send")`` hooks once, journal, return ``{"key"}`` at
+        once; the sweep delivers it."""
+        with self.clock.busy():
+            content = contentlib.normalize(content)
+            key, rule = self._key_for(None, idempotency_key)
+            if await self.backend.outbox_get(self.scope, key) is not None:
+                return {"key": key}
+            try:
+                fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
+            except contentlib.UnencodableContent as exc:
+                await self._bypass(chat_id, content, str(exc))
+                return {"key": key}
+            prepared = await self.bot._run_before_send(chat_id, content)
+            if prepared is None:
+                return {"key": key}
+            try:
+                encoded = contentlib.encode(prepared)
+            except contentlib.UnencodableContent as exc:
+                await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
+                return {"key": key}
+            if contentlib.encoded_size(encoded) > self.config.outbox.max_payload_bytes:
+                await self._bypass(chat_id, prepared, "payload over outbox.max_payload_bytes", hooks_done=True)
+                return {"key": key}
+            await self._journal_new(key, rule, chat_id, encoded, fp, None, origin="enqueue")
+            self._spawn(self._deliver_soon(key))
+            return {"key": key}
+
+    async def _deliver_soon(self, key: str) -> None:
+        with self.clock.busy():
+            rec = await self.backend.outbox_get(self.scope, key)
+            if rec is None:
+                return
+            async with self._chat_lock(rec.chat_id):
+                while rec is not None:
+                    await self._deliver(rec, recover=False)
+                    done = await self.backend.outbox_get(self.scope, rec.key)
+                    if done is None or done.state != "sent":
+                        return
+                    nxt = await self.backend.outbox_get(self.scope, contentlib.part_key(key, done.part + 1))
+                    rec = nxt if nxt is not None and nxt.previous_part == done.key else None
+
+    # -- operator API (OPS-2) --------------------------------------------------------------
+    async def replay_inbound(self, id: str) -> bool:
+        """Process an inbound record again (a dead one, say). Returns False when there
+        is no such record or it is leased."""
+        with self.clock.busy():
+            rec = await self.backend.inbox_replay(self.scope, id, now=self._now())
+            if rec is None:
+                return False
+            claimed = await self.backend.inbox_claim(
+                self.scope, id, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+                lease_ms=self.config.inbox.lease_ms, recover=False,
+            )
+            if claimed is None:
+                return False
+            self._count("inbound_replayed")
+            await self._execute(claimed, None)
+            return True
+
+    async def retry_send(self, key: str) -> bool:
+        """Send a ``dead``, ``failed`` or ``unknown`` record again."""
+        with self.clock.busy():
+            if not await self.backend.outbox_retry(self.scope, key, now=self._now()):
+                return False
+            rec = await self.backend.outbox_get(self.scope, key)
+            if rec is not None:
+                async with self._chat_lock(rec.chat_id):
+                    await self._deliver(rec, recover=False)
+            return True

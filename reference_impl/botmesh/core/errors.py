@@ -1,0 +1,93 @@
+"""The error tree of botmesh. Everything the project raises derives from
+:class:`BotmeshError`; drivers' errors are translated at the backend boundary so that
+callers (and the conformance suite) can assert on these types alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BotmeshError(Exception):
+    """Root of every error raised by botmesh.
+
+    ``code`` is a stable, machine-readable identifier (``"APPEND_LOG_CORRUPT"``,
+    ``"CONFIG_INVALID"`` ...); ``details`` carries structured context (file, line, option).
+    """
+
+    code: str = "BOTMESH_ERROR"
+
+    def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.details: dict[str, Any] = details
+        for name, value in details.items():
+            if not hasattr(type(self), name):
+                setattr(self, name, value)
+
+
+class ConfigError(BotmeshError):
+    """A bad option, duration or type given when a bot or backend is built. ``option``
+    names the setting at fault (e.g. ``"durability.outbox.lease_ms"``)."""
+
+    code = "CONFIG_INVALID"
+
+
+class DurabilityError(BotmeshError):
+    """A durability backend could not do what was asked."""
+
+    code = "DURABILITY_ERROR"
+
+
+class BackendUnavailableError(DurabilityError):
+    """The backend cannot be reached or refused the operation (I/O error, server down,
+    closed). The operation may or may not have taken effect only where the method's
+    contract says so."""
+
+    code = "BACKEND_UNAVAILABLE"
+
+
+class VersionConflict(DurabilityError):
+    """A compare-and-set of :class:`botmesh.core.spi.DurableKv` found another version
+    than the one expected (or a record where none was expected)."""
+
+    code = "KV_CONFLICT"
+
+
+class JournalCorruptError(DurabilityError):
+    """A journal cannot be read back. ``file`` names the file; for a damaged append-log
+    entry in the middle of the log ``code`` is ``"APPEND_LOG_CORRUPT"`` and ``line`` /
+    ``byte`` give the position (BACK-5)."""
+
+    code = "JOURNAL_CORRUPT"
+
+
+class JournalLockedError(DurabilityError):
+    """A file journal is already open in a live process, or in this one (BACK table)."""
+
+    code = "JOURNAL_LOCKED"
+
+
+class SendDeferredError(BotmeshError):
+    """``ctx.reply``/``bot.send`` gave up retrying inline after ``outbox.inline_max_ms``
+    (OUT-9). The send is not lost: the background sweep keeps retrying it under ``key``."""
+
+    code = "SEND_DEFERRED"
+
+    def __init__(self, key: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"send deferred to the background sweep (outbox key {key!r})")
+        self.key = key
+        self.__cause__ = cause
+
+
+class SendFailedError(BotmeshError):
+    """A journaled send went to the dead-letter queue (definitive error or retries
+    exhausted). ``key`` is its outbox key."""
+
+    code = "SEND_DEAD"
+
+    def __init__(self, key: str, error: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"send {key!r} is dead: {error}")
+        self.key = key
+        self.error = error
+        self.__cause__ = cause

@@ -1,0 +1,102 @@
+"""The records of the two journals. Backends store them as JSON objects
+(:meth:`to_json`); unknown fields written by a newer version are kept on read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+INBOX_STATES = ("leased", "pending", "done", "dead")
+"""``leased``: being processed by ``owner`` until ``lease_until``; ``pending``: waiting
+for a retry at ``next_at`` (or an operator replay); ``done``: settled; ``dead``: in the
+DLQ."""
+
+OUTBOX_STATES = ("pending", "sending", "failed", "sent", "dead", "unknown")
+"""``pending``: journaled, not yet tried (enqueued, or a part waiting behind an earlier
+one); ``sending``: a provider call is (or was, when the owner died) in flight under a
+lease; ``failed``: the last attempt failed, retry at ``next_at``; ``sent``: the provider
+answered with ``message_id``; ``dead``: in the DLQ; ``unknown``: ambiguous after a crash
+and skipped (OUT-14)."""
+
+R = TypeVar("R", bound="_Record")
+
+
+@dataclass
+class _Record:
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        data.update(self.extra)
+        return data
+
+    @classmethod
+    def from_json(cls: type[R], data: dict[str, Any]) -> R:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k not in names}
+        return cls(**known, extra=extra)
+
+    def copy(self: R, **changes: Any) -> R:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class InboxRecord(_Record):
+    """One admitted inbound event (INB-1)."""
+
+    id: str = ""
+    kind: str = "message"
+    chat_id: str = ""
+    event: dict[str, Any] = field(default_factory=dict)
+    state: str = "leased"
+    attempts: int = 0
+    """Charged executions: a claim charges one (INB-7)."""
+    token: int = 0
+    """Fencing token of the current lease; grows with every new lease (LEASE-2)."""
+    owner: str | None = None
+    incarnation: str | None = None
+    lease_until: float | None = None
+    claimed_at: float | None = None
+    next_at: float | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    finished_at: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class OutboxRecord(_Record):
+    """One send under an idempotency key (OUT-1)."""
+
+    key: str = ""
+    chat_id: str = ""
+    content: dict[str, Any] = field(default_factory=dict)
+    """The content as journaled (bytes as ``{"$bytes": base64}``, OUT-15), after the
+    ``before("send")`` hooks."""
+    fingerprint: str = ""
+    """Hash of chat + content taken before the hooks (OUT-5)."""
+    rule: str = "derived"
+    """How the key was chosen (OUT-3): ``explicit``, ``derived`` or ``random``."""
+    inbound_id: str | None = None
+    previous_part: str | None = None
+    """Key of the part that must be sent before this one (OUT-12)."""
+    part: int = 1
+    origin: str = "inline"
+    """``inline`` (reply/send) or ``enqueue``: who runs the ``after("send")`` hooks."""
+    state: str = "pending"
+    attempts: int = 0
+    """Provider calls claimed so far (OUT-7: at most ``retries + 1``)."""
+    token: int = 0
+    owner: str | None = None
+    incarnation: str | None = None
+    lease_until: float | None = None
+    claimed_at: float | None = None
+    next_at: float | None = None
+    message_id: str | None = None
+    error: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    sent_at: float | None = None
+    seq: int = 0

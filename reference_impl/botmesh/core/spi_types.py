@@ -1,0 +1,37 @@
+"""Plain types of the SPI, kept apart so that the backend interface and the SPI can
+both import them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+IndexName = Literal["due", "expires"]
+INDEXES: tuple[IndexName, ...] = ("due", "expires")
+
+
+class Versioned(NamedTuple):
+    """A stored value and its version."""
+
+    value: dict[str, Any]
+    version: int
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend claims. The conformance suite holds a backend to exactly these
+    claims, and a skipped test names the claim that was not made.
+
+    * ``survives_crash`` — an acknowledged write is still there after the process dies
+      (and is reopened on the same path / server).
+    * ``multi_process`` — several processes of one host may use it at once; claims stay
+      exclusive across them.
+    * ``multi_host`` — several hosts may use it at once.
+    * ``shared`` — it is a server other processes reach (PostgreSQL, Redis): the default
+      ``instance_id`` then gets a per-boot suffix (LEASE-3).
+    """
+
+    survives_crash: bool = False
+    multi_process: bool = False
+    multi_host: bool = False
+    shared: bool = False

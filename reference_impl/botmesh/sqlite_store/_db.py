@@ -1,0 +1,171 @@
+"""The one place this package talks to :mod:`sqlite3`: validating the ``file`` option,
+opening a connection with the durability pragmas, creating the schema, and translating
+driver errors.
+
+The schema (store tables and the journals table ``durable`` of BACK-1) is created as one
+unit, in one ``BEGIN IMMEDIATE`` transaction of ``CREATE ... IF NOT EXISTS`` statements,
+by whichever connection opens the file first — the store's or the durability's. It is
+idempotent, and several processes opening the same file at once serialise on SQLite's
+write lock (waiting up to ``busy_timeout_ms``) instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from typing import Any
+
+from ..core.errors import BackendUnavailableError, ConfigError
+
+DEFAULT_BUSY_TIMEOUT_MS = 5000
+"""How long a connection waits for another connection's write lock before failing."""
+
+SCHEMA_VERSION = 1
+"""Stored in ``PRAGMA user_version`` when the schema is first created."""
+
+SCHEMA: tuple[str, ...] = (
+    # The store (botmesh.core.store.Store): JSON values by (namespace, key) ...
+    """CREATE TABLE IF NOT EXISTS kv (
+        namespace TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        PRIMARY KEY (namespace, key)
+    ) WITHOUT ROWID""",
+    # ... and the message log, in insertion order (``id``).
+    """CREATE TABLE IF NOT EXISTS messages (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        chat_id TEXT,
+        entry TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS messages_chat_id ON messages (chat_id, id)",
+    # The durability journals (BACK-1): the DurableKv records of every scope and space.
+    """CREATE TABLE IF NOT EXISTS durable (
+        scope TEXT NOT NULL,
+        space TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        due REAL,
+        expires REAL,
+        PRIMARY KEY (scope, space, key)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS durable_due ON durable (scope, space, due, key)",
+    "CREATE INDEX IF NOT EXISTS durable_expires ON durable (scope, space, expires, key)",
+)
+"""Every table and index of a botmesh SQLite file, created together (BACK-1)."""
+
+STORE_TABLES: tuple[str, ...] = ("kv", "messages")
+"""Tables the store uses; the durability never touches them (BACK-3)."""
+
+DURABILITY_TABLES: tuple[str, ...] = ("durable",)
+"""Tables the durability uses; the store never touches them (BACK-3)."""
+
+
+def check_file(file: Any) -> str:
+    """Validate the ``file`` option and return it as a ``str`` path.
+
+    Raises :class:`ConfigError` with ``option="file"`` when ``file`` is not a ``str`` or
+    ``os.PathLike``, is empty or ``":memory:"`` (not a file several connections can
+    share), is a directory, or lives in a directory that does not exist.
+    """
+    if not isinstance(file, (str, os.PathLike)):
+        raise ConfigError(
+            f"option 'file' must be a str or os.PathLike path of an SQLite file, got {type(file).__name__}",
+            option="file",
+            value=file,
+        )
+    try:
+        path = os.fsdecode(os.fspath(file))
+    except (TypeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"option 'file' is not a usable path: {exc}", option="file", value=file) from exc
+    if path in ("", ":memory:") or path.startswith("file::memory:"):
+        raise ConfigError(
+            f"option 'file' must name a file on disk, got {path!r} (an in-memory database is "
+            "neither durable nor shared between the store and its durability)",
+            option="file",
+            value=file,
+        )
+    if os.path.isdir(path):
+        raise ConfigError(f"option 'file' names a directory, not an SQLite file: {path!r}", option="file", value=file)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"option 'file': the directory of {path!r} does not exist ({parent!r})", option="file", value=file
+        )
+    return path
+
+
+def check_busy_timeout(busy_timeout_ms: Any) -> int:
+    """Validate the ``busy_timeout_ms`` option (a non-negative ``int``)."""
+    if isinstance(busy_timeout_ms, bool) or not isinstance(busy_timeout_ms, int) or busy_timeout_ms < 0:
+        raise ConfigError(
+            f"option 'busy_timeout_ms' must be a non-negative int (milliseconds), got {busy_timeout_ms!r}",
+            option="busy_timeout_ms",
+            value=busy_timeout_ms,
+        )
+    return busy_timeout_ms
+
+
+def unavailable(file: str, exc: BaseException, doing: str) -> BackendUnavailableError:
+    """The :class:`BackendUnavailableError` that replaces a driver error, naming the file."""
+    error = BackendUnavailableError(f"SQLite {file!r}: {doing} failed: {exc}", file=file)
+    error.__cause__ = exc
+    return error
+
+
+def rollback_quietly(conn: sqlite3.Connection) -> None:
+    """Roll back an open transaction, ignoring errors (used while another error is
+    already on its way up)."""
+    try:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass
+
+
+def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
+    """Open ``file`` (created when absent) with WAL, ``busy_timeout`` and
+    ``synchronous=FULL``, and create the schema. Raises
+    :class:`BackendUnavailableError` naming the file on any driver error.
+
+    Durability: in WAL mode with ``synchronous=FULL`` SQLite syncs the write-ahead log
+    to disk at every commit, so every acknowledged (committed) write survives a crash of
+    the process *and* a power cut. ``fullfsync`` makes that hold on macOS too (a no-op
+    elsewhere).
+
+    The connection is in autocommit mode (``isolation_level=None``): callers open
+    transactions themselves with ``BEGIN IMMEDIATE``. ``check_same_thread`` is off;
+    callers serialise use of a connection with their own lock.
+    """
+    try:
+        conn = sqlite3.connect(
+            file, timeout=busy_timeout_ms / 1000.0, isolation_level=None, check_same_thread=False
+        )
+    except sqlite3.Error as exc:
+        raise unavailable(file, exc, "open") from exc
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        if str(mode).lower() != "wal":
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA fullfsync = ON")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in SCHEMA:
+                conn.execute(statement)
+            if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            rollback_quietly(conn)
+            raise
+    except sqlite3.Error as exc:
+        conn.close()
+        raise unavailable(file, exc, "open") from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn

@@ -1,0 +1,278 @@
+"""``SQLiteKv``: the :class:`~botmesh.core.spi.DurableKv` of the SQLite backend, over
+table ``durable`` of the store's file (BACK-1).
+
+Synchronous I/O on purpose
+--------------------------
+Every method runs its :mod:`sqlite3` calls synchronously inside the coroutine, on the
+event loop's thread — no worker threads, no ``run_in_executor``. They are short local
+transactions on one file, and the engine is tested in virtual time
+(:class:`botmesh.core.clock.VirtualClock`): synchronous I/O finishes before the coroutine
+yields, so a virtual-time run is deterministic and time never runs ahead of a query.
+Like :class:`~botmesh.core.spi.MemoryKv`, each method then awaits ``asyncio.sleep(0)`` once
+(after its work, before it returns or raises ``VersionConflict``), so it is a real
+suspension point and interleaves with other tasks exactly as the reference does. While
+another *process* holds the write lock, a call blocks the loop for up to
+``busy_timeout_ms`` — the price of this choice, acceptable for the local, short
+transactions of this backend.
+
+Atomicity across processes
+--------------------------
+Each ``put``/``delete`` is one ``BEGIN IMMEDIATE`` transaction: it takes SQLite's write
+lock first, then runs the conditional ``INSERT`` (``expected_version=0``; a primary-key
+violation is a conflict) or ``UPDATE``/``DELETE ... WHERE version = ?`` (no row changed is
+a conflict), so several processes sharing the file get exactly one winner per CAS
+(REPL-4: processes of one host). Reads are single statements on a WAL snapshot.
+
+Durability: WAL with ``synchronous=FULL`` — a write that returned survives a process
+crash and a power cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import threading
+from typing import Any
+
+from ..core.errors import BackendUnavailableError, VersionConflict
+from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_json_object
+from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
+
+_NEW, _OPEN, _CLOSED = "new", "open", "closed"
+
+
+class SQLiteKv(DurableKv):
+    """A :class:`~botmesh.core.spi.DurableKv` stored in table ``durable`` of an SQLite
+    file, with its own connection.
+
+    ``file`` — the SQLite file (created when absent, with the whole schema of
+    :class:`~botmesh.sqlite_store.SQLiteStore`); a bad value raises
+    :class:`~botmesh.core.errors.ConfigError` naming the option ``file``.
+    ``busy_timeout_ms`` — how long a call waits for another connection's write lock.
+
+    The connection opens on :meth:`open` or lazily on the first call (as
+    :class:`~botmesh.core.spi.MemoryKv` accepts calls before ``open``). After
+    :meth:`close` every call raises :class:`~botmesh.core.errors.BackendUnavailableError`
+    until :meth:`open` is called again. Every :mod:`sqlite3` error is raised as
+    ``BackendUnavailableError`` naming the file.
+    """
+
+    capabilities = Capabilities(survives_crash=True, multi_process=True, multi_host=False, shared=False)
+
+    def __init__(self, file: str | os.PathLike[str], *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> None:
+        self._file = check_file(file)
+        self._busy_timeout_ms = check_busy_timeout(busy_timeout_ms)
+        self._conn: sqlite3.Connection | None = None
+        self._state = _NEW
+        self._lock = threading.Lock()
+
+    @property
+    def file(self) -> str:
+        """The path of the SQLite file."""
+        return self._file
+
+    @property
+    def busy_timeout_ms(self) -> int:
+        """How long a call waits for another connection's write lock."""
+        return self._busy_timeout_ms
+
+    def __repr__(self) -> str:
+        return f"SQLiteKv({self._file!r}, state={self._state})"
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the connection and create the schema if needed. Idempotent; reopens a
+        closed kv."""
+        with self._lock:
+            self._open_locked()
+
+    async def close(self) -> None:
+        """Close the connection. Idempotent. Later calls raise
+        ``BackendUnavailableError`` until :meth:`open`."""
+        with self._lock:
+            conn, self._conn, self._state = self._conn, None, _CLOSED
+            if conn is not None:
+                try:
+                    conn.close()
+                except sqlite3.Error as exc:
+                    raise unavailable(self._file, exc, "close") from exc
+
+    def _open_locked(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self._conn = connect(self._file, self._busy_timeout_ms)
+        self._state = _OPEN
+        return self._conn
+
+    def _connection(self) -> sqlite3.Connection:
+        """The open connection (opening it lazily); the caller holds ``self._lock``."""
+        if self._state == _CLOSED:
+            raise BackendUnavailableError(f"SQLiteKv {self._file!r} is closed", file=self._file)
+        return self._open_locked()
+
+    # -- DurableKv -----------------------------------------------------------------
+
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        """The record at ``(scope, space, key)`` with its version, or ``None``."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                row = conn.execute(
+                    "SELECT value, version FROM durable WHERE scope = ? AND space = ? AND key = ?",
+                    (scope, space, key),
+                ).fetchone()
+            except sqlite3.Error as exc:
+                raise unavailable(self._file, exc, "get") from exc
+        result = None if row is None else Versioned(json.loads(row[0]), row[1])
+        await asyncio.sleep(0)
+        return result
+
+    async def put(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """Compare-and-set (see :meth:`DurableKv.put`): an ``INSERT`` for
+        ``expected_version=0``, an ``UPDATE ... WHERE version = ?`` otherwise, in one
+        ``BEGIN IMMEDIATE`` transaction."""
+        with self._lock:
+            conn = self._connection()
+            text = json.dumps(check_json_object(value), allow_nan=False)
+            new_version = expected_version + 1
+            conflict: int | None = None  # the version found, when the CAS failed
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    if expected_version == 0:
+                        try:
+                            conn.execute(
+                                "INSERT INTO durable (scope, space, key, value, version, due, expires)"
+                                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                (scope, space, key, text, new_version, due, expires),
+                            )
+                        except sqlite3.IntegrityError as exc:
+                            conflict = self._version_of(conn, scope, space, key)
+                            if conflict == 0:  # not a duplicate key: a genuine driver error
+                                raise exc
+                    else:
+                        cursor = conn.execute(
+                            "UPDATE durable SET value = ?, version = ?, due = ?, expires = ?"
+                            " WHERE scope = ? AND space = ? AND key = ? AND version = ?",
+                            (text, new_version, due, expires, scope, space, key, expected_version),
+                        )
+                        if cursor.rowcount == 0:
+                            conflict = self._version_of(conn, scope, space, key)
+                    conn.execute("ROLLBACK" if conflict is not None else "COMMIT")
+                except BaseException:
+                    rollback_quietly(conn)
+                    raise
+            except sqlite3.Error as exc:
+                raise unavailable(self._file, exc, "put") from exc
+        await asyncio.sleep(0)
+        if conflict is not None:
+            raise VersionConflict(
+                f"{space}/{key}: expected version {expected_version}, found {conflict}",
+                key=key,
+                expected=expected_version,
+                found=conflict,
+            )
+        return new_version
+
+    async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
+        """Remove the record at version ``expected_version`` (``DELETE ... WHERE version
+        = ?`` in one ``BEGIN IMMEDIATE`` transaction); ``VersionConflict`` when absent or
+        at another version."""
+        with self._lock:
+            conn = self._connection()
+            conflict: int | None = None
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    cursor = conn.execute(
+                        "DELETE FROM durable WHERE scope = ? AND space = ? AND key = ? AND version = ?",
+                        (scope, space, key, expected_version),
+                    )
+                    if cursor.rowcount == 0:
+                        conflict = self._version_of(conn, scope, space, key)
+                    conn.execute("ROLLBACK" if conflict is not None else "COMMIT")
+                except BaseException:
+                    rollback_quietly(conn)
+                    raise
+            except sqlite3.Error as exc:
+                raise unavailable(self._file, exc, "delete") from exc
+        await asyncio.sleep(0)
+        if conflict is not None:
+            raise VersionConflict(
+                f"{space}/{key}: expected version {expected_version}, found {conflict}",
+                key=key,
+                expected=expected_version,
+                found=conflict,
+            )
+
+    async def range(
+        self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
+    ) -> list[tuple[float, str]]:
+        """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
+        ascending by ``(score, key)``."""
+        # Like MemoryKv: "due" selects the due index, any other name the expires index.
+        column = "due" if index == "due" else "expires"
+        sql = (
+            f"SELECT {column}, key FROM durable"
+            f" WHERE scope = ? AND space = ? AND {column} IS NOT NULL AND {column} <= ?"
+            f" ORDER BY {column}, key"
+        )
+        with self._lock:
+            conn = self._connection()
+            try:
+                rows = self._limited(conn, sql, (scope, space, upto), limit)
+            except sqlite3.Error as exc:
+                raise unavailable(self._file, exc, "range") from exc
+        await asyncio.sleep(0)
+        return [(float(score), key) for score, key in rows]
+
+    async def scan(
+        self, scope: str, space: str, *, after: str | None = None, limit: int = 100
+    ) -> list[tuple[str, Versioned]]:
+        """Up to ``limit`` records with key ``> after`` (all when ``after`` is None),
+        ascending by key (code-point order: SQLite's binary collation compares UTF-8
+        bytes, which sorts like code points)."""
+        if after is None:
+            sql = "SELECT key, value, version FROM durable WHERE scope = ? AND space = ? ORDER BY key"
+            params: tuple[Any, ...] = (scope, space)
+        else:
+            sql = "SELECT key, value, version FROM durable WHERE scope = ? AND space = ? AND key > ? ORDER BY key"
+            params = (scope, space, after)
+        with self._lock:
+            conn = self._connection()
+            try:
+                rows = self._limited(conn, sql, params, limit)
+            except sqlite3.Error as exc:
+                raise unavailable(self._file, exc, "scan") from exc
+        result = [(key, Versioned(json.loads(value), version)) for key, value, version in rows]
+        await asyncio.sleep(0)
+        return result
+
+    # -- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _version_of(conn: sqlite3.Connection, scope: str, space: str, key: str) -> int:
+        row = conn.execute(
+            "SELECT version FROM durable WHERE scope = ? AND space = ? AND key = ?", (scope, space, key)
+        ).fetchone()
+        return 0 if row is None else int(row[0])
+
+    @staticmethod
+    def _limited(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...], limit: int) -> list[Any]:
+        """Rows of ``sql`` cut to ``limit`` exactly as MemoryKv's ``[:limit]`` slice does
+        (``LIMIT`` in SQL for the usual non-negative ``int``)."""
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
+            return conn.execute(sql + " LIMIT ?", (*params, limit)).fetchall()
+        return conn.execute(sql, params).fetchall()[:limit]
