@@ -156,10 +156,13 @@ class VirtualClock:
                     raise TimeoutError(
                         f"VirtualClock: busy work did not become idle within {self.settle_timeout_s}s of real time"
                     )
+                # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # of the caller that races with the inner wait completing
+                waiter = asyncio.ensure_future(self._idle.wait())
                 try:
-                    await asyncio.wait_for(self._idle.wait(), timeout=min(remaining, 0.05))
-                except TimeoutError:
-                    pass
+                    await asyncio.wait({waiter}, timeout=min(remaining, 0.05))
+                finally:
+                    waiter.cancel()
 
     def _wake_due(self, until: float) -> bool:
         woke = False
@@ -244,7 +247,6 @@ class VirtualClock:
         try:
             yield
         finally:
-            self._auto_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._auto_task
-            self._auto_task = None
+            task, self._auto_task = self._auto_task, None
+            task.cancel()
+            await asyncio.wait({task})

@@ -166,9 +166,11 @@ class DurabilityRuntime:
             tasks.append(self._sweep_task)
         for t in tasks:
             t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)  # never raises for them; a cancellation of ours still does
         for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+            if not t.cancelled():
+                t.exception()  # retrieved: a dead incarnation's errors are not reported again
         self._tasks.clear()
         self._sweep_task = None
 
@@ -214,9 +216,8 @@ class DurabilityRuntime:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            if task.done() and not task.cancelled() and task.exception() is not None:
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
                 exc = task.exception()
                 if not isinstance(exc, Exception):  # a simulated process death
                     raise exc  # type: ignore[misc]

@@ -1,0 +1,172 @@
+"""A crash world: one outside world (a channel, a clock, a store) and successive bot
+incarnations on one backend — the recovery pattern of TEST-3 as an object.
+
+    world = World(harness, setup=register_handlers, instance_id="i1")
+    bot = await world.start(crash=True)
+    world.crashable.crash_before("outbox.mark_sent")
+    await world.receive("chat-1", "hi", id="m1")      # dies inside
+    bot = await world.restart()                      # same backend, store, instance_id
+    await world.drain()
+    assert world.channel.texts() == [...]
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from botmesh.core.bot import Bot
+from botmesh.core.clock import VirtualClock
+from botmesh.core.provider import InboundEvent, Provider
+from botmesh.core.store import Store
+from botmesh.core.testing import MockProvider, SimulatedCrash
+
+from .backends import BackendHarness
+from .crash import CrashableBackend, CrashableProvider, crashable
+
+
+class _ChannelProvider(Provider):
+    """Passes sends to the shared channel; a fresh one per incarnation."""
+
+    def __init__(self, channel: MockProvider) -> None:
+        super().__init__()
+        self.channel = channel
+        self.name = channel.name
+        self.text_limit = channel.text_limit
+        self.serialize_media_ref = channel.serialize_media_ref
+        self.rehydrate_media_ref = channel.rehydrate_media_ref
+
+    async def send(self, chat_id: str, content: dict[str, Any]) -> str:
+        return await self.channel.send(chat_id, content)
+
+    async def typing(self, chat_id: str) -> None:
+        await self.channel.typing(chat_id)
+
+    async def download_media(self, ref: Any) -> bytes:
+        return await self.channel.download_media(ref)
+
+
+class World:
+    """Successive bots on one backend, one channel, one virtual clock.
+
+    ``setup(bot)`` registers the handlers; it runs for every incarnation, as the same
+    code would after a real restart. ``durability`` holds extra options of the
+    ``durability=`` setting. ``events`` records every ``error``, ``durability:dead`` and
+    ``durability:ambiguous`` event of every incarnation.
+    """
+
+    def __init__(
+        self,
+        harness: BackendHarness,
+        *,
+        setup: Callable[[Bot], None] | None = None,
+        instance_id: str = "i1",
+        durability: dict[str, Any] | None = None,
+        text_limit: int | None = None,
+        seed: int = 0,
+        clock: VirtualClock | None = None,
+    ) -> None:
+        self.harness = harness
+        self.setup = setup
+        self.instance_id = instance_id
+        self.options = dict(durability or {})
+        self.clock = clock or VirtualClock()
+        self.channel = MockProvider(text_limit=text_limit)
+        self.rng = random.Random(seed)
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.bot: Bot | None = None
+        self.crashable: CrashableBackend | None = None
+        self.store: Store | None = None
+        self.incarnations = 0
+        self._opened = False
+
+    async def _backend(self) -> tuple[Any, Store]:
+        if not self._opened:
+            self._opened = True
+            return await self.harness.open()
+        return await self.harness.reopen()
+
+    async def start(self, *, crash: bool = False, **durability: Any) -> Bot:
+        """Start the next incarnation. ``crash=True`` wraps its backend and provider so
+        that it can die (arm it through ``world.crashable``)."""
+        backend, store = await self._backend()
+        self.store = store
+        provider: Provider
+        if crash:
+            self.crashable = crashable(backend)
+            backend = self.crashable
+            provider = CrashableProvider(self.crashable, self.channel)
+        else:
+            self.crashable = None
+            provider = _ChannelProvider(self.channel)
+        options = {"backend": backend, "instance_id": self.instance_id, **self.options, **durability}
+        bot = Bot(provider, store, options, clock=self.clock, rng=random.Random(self.rng.random()))
+        for name in ("error", "durability:dead", "durability:ambiguous"):
+            bot.on(name, lambda payload, name=name: self.events.append((name, payload)))
+        if self.setup is not None:
+            self.setup(bot)
+        self.bot = bot
+        self.incarnations += 1
+        try:
+            await bot.start()
+        except SimulatedCrash:
+            pass
+        return bot
+
+    @property
+    def crashed(self) -> bool:
+        return self.crashable is not None and self.crashable.crashed
+
+    async def receive(self, chat_id: str, text: str = "", *, id: str, **kw: Any) -> bool:
+        """Deliver an inbound event; False when the bot died while taking it."""
+        assert self.bot is not None
+        event = InboundEvent(id=id, chat_id=chat_id, text=text, **kw)
+        try:
+            await self.bot.provider.deliver(event)
+        except SimulatedCrash:
+            return False
+        return True
+
+    async def call(self, fn: Callable[[Bot], Any]) -> Any:
+        """Run ``await fn(bot)``; a simulated death is swallowed (returns it)."""
+        assert self.bot is not None
+        try:
+            return await fn(self.bot)
+        except SimulatedCrash as exc:
+            return exc
+
+    async def restart(self, **durability: Any) -> Bot:
+        """Abandon the current bot as a dead process and start a new one on the same
+        backend and store with the same ``instance_id`` (TEST-3)."""
+        if self.bot is not None:
+            await self.bot.abandon()
+        return await self.start(**durability)
+
+    async def drain(self, within_ms: float = 600_000.0) -> None:
+        """Advance virtual time until nothing is due: every unfinished inbound record is
+        settled and every send is sent, dead or unknown (or ``within_ms`` passed)."""
+        assert self.bot is not None and self.bot.durability is not None
+        d = self.bot.durability
+        end = self.clock.now() + within_ms
+        while self.clock.now() < end:
+            await self.clock.advance(d.config.poll_ms)
+            if self.crashed:
+                return
+            try:
+                inbox = await d.backend.inbox_list(d.scope)
+                outbox = await d.backend.outbox_list(d.scope)
+            except SimulatedCrash:
+                return
+            if all(r.state in ("done", "dead") for r in inbox) and all(
+                r.state in ("sent", "dead", "unknown") for r in outbox
+            ):
+                return
+
+    async def close(self) -> None:
+        if self.bot is not None:
+            await self.bot.abandon()
+        await self.harness.close()
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [payload for name, payload in self.events if name == event]
