@@ -22,7 +22,10 @@ Contract of the methods:
   writes are short and local, and synchronous I/O keeps a run in virtual time
   deterministic (no thread pool deciding when a write lands).
 * The composite helpers (:meth:`FileIO.write_atomic`) are built from the primitives via
-  ``self``, so overriding a primitive also changes the composite.
+  ``self``, so overriding a primitive also changes the composite. The backend replaces
+  its snapshot with the primitives themselves (``write_file``, ``replace``,
+  ``fsync_dir``) because it must know whether a failure came before or after the
+  rename.
 
 POSIX only: locks are pid files held with ``flock(2)``, and liveness is
 ``os.kill(pid, 0)``.
