@@ -336,9 +336,10 @@ class Bot:
         new = await flow.run(ctx, checkpoint)
         if flow.is_persistent:  # FLOW-1: checkpoint at every step
             if new is None:
-                await self.store.delete("flow", ctx.chat_id)
-            else:
-                await self.store.set("flow", ctx.chat_id, new)
+                # a tombstone, not a delete: a replay of the record that ended the flow
+                # must recognise it was applied (fed_by) rather than route it as new
+                new = {"flow": flow.name, "waiting": False, "ended": True, "fed_by": ctx.record_id}
+            await self.store.set("flow", ctx.chat_id, new)
         elif new is None:
             self._memory_flows.pop(ctx.chat_id, None)
         else:

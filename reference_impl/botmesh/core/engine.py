@@ -177,8 +177,13 @@ class DurabilityRuntime:
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._reap)
         return task
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # a simulated death ends background work silently, like a real one
 
     # -- metrics and events ---------------------------------------------------------------
     def metrics(self) -> dict[str, int]:
@@ -641,6 +646,12 @@ class DurabilityRuntime:
             return {"key": key}
 
     async def _deliver_soon(self, key: str) -> None:
+        try:
+            await self._deliver_key(key)
+        except Exception as exc:  # the sweep will try again; report it
+            await self.bot._emit("error", {"error": exc, "stage": "enqueue", "key": key})
+
+    async def _deliver_key(self, key: str) -> None:
         with self.clock.busy():
             rec = await self.backend.outbox_get(self.scope, key)
             if rec is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from typing import Any
 
 from ..core.errors import BackendUnavailableError, ConfigError
@@ -123,6 +124,35 @@ def rollback_quietly(conn: sqlite3.Connection) -> None:
         pass
 
 
+def _is_busy(exc: sqlite3.Error) -> bool:
+    """True for SQLITE_BUSY / SQLITE_LOCKED ("database is locked")."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _setup(conn: sqlite3.Connection, busy_timeout_ms: int) -> None:
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    if str(mode).lower() != "wal":
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("PRAGMA fullfsync = ON")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in SCHEMA:
+            conn.execute(statement)
+        if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        rollback_quietly(conn)
+        raise
+
+
 def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
     """Open ``file`` (created when absent) with WAL, ``busy_timeout`` and
     ``synchronous=FULL``, and create the schema. Raises
@@ -132,6 +162,12 @@ def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
     to disk at every commit, so every acknowledged (committed) write survives a crash of
     the process *and* a power cut. ``fullfsync`` makes that hold on macOS too (a no-op
     elsewhere).
+
+    Concurrent first opens: switching a new file to WAL needs an exclusive lock, and
+    SQLite answers "database is locked" at once, without its busy handler, when another
+    process holds the file at that moment. Such a failure of the open sequence is
+    retried (short, growing pauses) until ``busy_timeout_ms`` has passed. This is the only
+    place the package waits by itself; it happens at open, not on every call.
 
     The connection is in autocommit mode (``isolation_level=None``): callers open
     transactions themselves with ``BEGIN IMMEDIATE``. ``check_same_thread`` is off;
@@ -143,29 +179,21 @@ def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
         )
     except sqlite3.Error as exc:
         raise unavailable(file, exc, "open") from exc
+    deadline = time.monotonic() + busy_timeout_ms / 1000.0
+    pause = 0.001
     try:
-        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-        if str(mode).lower() != "wal":
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute("PRAGMA fullfsync = ON")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for statement in SCHEMA:
-                conn.execute(statement)
-            if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            rollback_quietly(conn)
-            raise
+        while True:
+            try:
+                _setup(conn, busy_timeout_ms)
+                return conn
+            except sqlite3.Error as exc:
+                if not _is_busy(exc) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
     except sqlite3.Error as exc:
         conn.close()
         raise unavailable(file, exc, "open") from exc
     except BaseException:
         conn.close()
         raise
-    return conn

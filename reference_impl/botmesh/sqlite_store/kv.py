@@ -158,10 +158,10 @@ class SQLiteKv(DurableKv):
                                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                                 (scope, space, key, text, new_version, due, expires),
                             )
-                        except sqlite3.IntegrityError as exc:
+                        except sqlite3.IntegrityError:
                             conflict = self._version_of(conn, scope, space, key)
                             if conflict == 0:  # not a duplicate key: a genuine driver error
-                                raise exc
+                                raise
                     else:
                         cursor = conn.execute(
                             "UPDATE durable SET value = ?, version = ?, due = ?, expires = ?"
