@@ -40,7 +40,8 @@ class _Rule:
 class CrashableBackend(DurabilityBackend):
     """A backend that dies on command. ``crashed`` tells whether it did;
     ``crash_point`` says where (``"before outbox.mark_sent #1"``); ``history`` lists the
-    points passed, in order."""
+    points entered, in order; ``raised`` holds the ``(point, occurrence)`` whose call
+    raised (their "after" side was never reached)."""
 
     def __init__(self, inner: DurabilityBackend) -> None:
         self.inner = inner
@@ -49,6 +50,7 @@ class CrashableBackend(DurabilityBackend):
         self.crashed = False
         self.crash_point: str | None = None
         self.history: list[str] = []
+        self.raised: set[tuple[str, int]] = set()
         self._rules: list[_Rule] = []
         self._counts: Counter[str] = Counter()
         self._total = 0
@@ -106,11 +108,15 @@ class CrashableBackend(DurabilityBackend):
         nth, total = self._counts[op], self._total
         if self._fires("before", op, nth, total):
             self._die("before", op, nth)
+        self.history.append(op)
         return nth, total
+
+    def failed(self, op: str, nth: int) -> None:
+        """The call at point ``op`` raised: its "after" side is never reached."""
+        self.raised.add((op, nth))
 
     def leave(self, op: str, nth: int, total: int) -> None:
         """Pass the "after" side of point ``op``."""
-        self.history.append(op)
         if self._fires("after", op, nth, total):
             self._die("after", op, nth)
 
@@ -126,7 +132,11 @@ class CrashableBackend(DurabilityBackend):
 def _write(op: str, method: str) -> Any:
     async def call(self: CrashableBackend, *args: Any, **kwargs: Any) -> Any:
         nth, total = self.enter(op)
-        result = await getattr(self.inner, method)(*args, **kwargs)
+        try:
+            result = await getattr(self.inner, method)(*args, **kwargs)
+        except Exception:
+            self.failed(op, nth)
+            raise
         self.leave(op, nth, total)
         return result
 
@@ -184,7 +194,11 @@ class CrashableProvider(Provider):
 
     async def send(self, chat_id: str, content: Content) -> str:
         nth, total = self.crashable.enter(PROVIDER_SEND)
-        message_id = await self.channel.send(chat_id, content)
+        try:
+            message_id = await self.channel.send(chat_id, content)
+        except Exception:
+            self.crashable.failed(PROVIDER_SEND, nth)
+            raise
         self.crashable.leave(PROVIDER_SEND, nth, total)
         return message_id
 

@@ -12,6 +12,7 @@ incarnations on one backend — the recovery pattern of TEST-3 as an object.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,7 @@ class World:
         self.channel = MockProvider(text_limit=text_limit)
         self.rng = random.Random(seed)
         self.events: list[tuple[str, dict[str, Any]]] = []
+        self.event_incarnations: list[int] = []
         self.bot: Bot | None = None
         self.crashable: CrashableBackend | None = None
         self.store: Store | None = None
@@ -103,7 +105,7 @@ class World:
         options = {"backend": backend, "instance_id": self.instance_id, **self.options, **durability}
         bot = Bot(provider, store, options, clock=self.clock, rng=random.Random(self.rng.random()))
         for name in ("error", "durability:dead", "durability:ambiguous"):
-            bot.on(name, lambda payload, name=name: self.events.append((name, payload)))
+            bot.on(name, lambda payload, name=name, n=self.incarnations + 1: self._record(n, name, payload))
         if self.setup is not None:
             self.setup(bot)
         self.bot = bot
@@ -123,16 +125,30 @@ class World:
         assert self.bot is not None
         event = InboundEvent(id=id, chat_id=chat_id, text=text, **kw)
         try:
-            await self.bot.provider.deliver(event)
+            await self.drive(self.bot.provider.deliver(event))
         except SimulatedCrash:
             return False
         return True
+
+    async def drive(self, coro: Any) -> Any:
+        """Await ``coro`` while moving virtual time forward whenever everything is blocked
+        on the clock (a send retrying with backoff, a slow handler)."""
+        task = asyncio.ensure_future(coro)
+        if self.clock.auto_running:
+            return await task  # the clock drives itself
+        while not task.done():
+            await self.clock.settle()
+            if task.done():
+                break
+            if not await self.clock.step():
+                await asyncio.wait({task}, timeout=0.01)
+        return task.result()
 
     async def call(self, fn: Callable[[Bot], Any]) -> Any:
         """Run ``await fn(bot)``; a simulated death is swallowed (returns it)."""
         assert self.bot is not None
         try:
-            return await fn(self.bot)
+            return await self.drive(fn(self.bot))
         except SimulatedCrash as exc:
             return exc
 
@@ -168,5 +184,14 @@ class World:
             await self.bot.abandon()
         await self.harness.close()
 
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [payload for name, payload in self.events if name == event]
+    def _record(self, incarnation: int, name: str, payload: dict[str, Any]) -> None:
+        self.events.append((name, payload))
+        self.event_incarnations.append(incarnation)
+
+    def named(self, event: str, *, incarnation: int | None = None) -> list[dict[str, Any]]:
+        """Payloads of ``event`` (of one incarnation, 1-based, when given)."""
+        return [
+            payload
+            for (name, payload), n in zip(self.events, self.event_incarnations, strict=True)
+            if name == event and (incarnation is None or n == incarnation)
+        ]

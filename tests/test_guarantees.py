@@ -511,7 +511,10 @@ async def test_expired_lease_is_taken_over_and_old_completion_refused(harness: B
         return True  # the frozen process believes it beat; nothing reaches the backend
 
     backend.inbox_heartbeat = frozen
-    task = asyncio.ensure_future(world.receive("c1", "hi", id="m1"))
+    from botmesh.core import InboundEvent
+
+    # delivered directly (not world.receive, which would drive the clock itself)
+    task = asyncio.ensure_future(bot_a.provider.deliver(InboundEvent(id="m1", chat_id="c1", text="hi")))
     await world.clock.settle()
     other = Bot(world.channel, world.store, {"backend": backend, "instance_id": "i2", "inbox": {"lease_ms": "1s"}},
                 clock=world.clock)

@@ -123,6 +123,11 @@ class VirtualClock:
             self._idle.set()
 
     @property
+    def auto_running(self) -> bool:
+        """True inside ``async with clock.auto()``."""
+        return self._auto_task is not None
+
+    @property
     def active(self) -> int:
         """Number of busy units of work not blocked on the clock."""
         return self._active

@@ -143,6 +143,7 @@ class DurabilityRuntime:
         self._local_inbound: set[str] = set()
         self._chat_locks: dict[str, asyncio.Lock] = {}
         self._seq = 0
+        self._next_purge = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -355,7 +356,10 @@ class DurabilityRuntime:
             async with lock:
                 await self._deliver(rec, recover=recover)
         self._recovered = True
-        if self.config.retention_ms > 0:
+        if self.config.retention_ms > 0 and self._now() >= self._next_purge:
+            # purging is cheap but a write: once a minute (or once per retention, when
+            # shorter) is plenty for a retention measured in days
+            self._next_purge = self._now() + min(60_000.0, self.config.retention_ms)
             await b.inbox_purge(scope, now=self._now(), limit=500)
             await b.outbox_purge(scope, now=self._now(), limit=500)
 

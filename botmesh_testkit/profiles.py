@@ -1,0 +1,61 @@
+"""Matrix profiles: TOML files naming the workloads, the policies and how many random
+cells to draw per workload. Built-in ones ship in ``botmesh_testkit/matrices/``
+(``smoke``, ``full``); a path to a ``.toml`` file selects a profile of one's own."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .matrix import POLICIES
+from .workloads import WORKLOADS
+
+BUILTIN_DIR = Path(__file__).parent / "matrices"
+
+
+class ProfileError(ValueError):
+    """A profile name or file that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    workloads: tuple[str, ...]
+    policies: tuple[str, ...]
+    random_per_workload: int
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name, or a TOML file by path."""
+    path = Path(name_or_path)
+    if not name_or_path.endswith(".toml"):
+        path = BUILTIN_DIR / f"{name_or_path}.toml"
+        if not path.exists():
+            raise ProfileError(f"unknown matrix profile {name_or_path!r}; choose one of {', '.join(builtin_names())} "
+                               "or give a path to a .toml file")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ProfileError(f"matrix profile file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"matrix profile {str(path)!r} is not valid TOML: {exc}") from None
+    unknown = set(data) - {"description", "workloads", "policies", "random_per_workload"}
+    if unknown:
+        raise ProfileError(f"{path}: unknown key(s) {sorted(unknown)}")
+    workloads = tuple(data.get("workloads", list(WORKLOADS)))
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise ProfileError(f"{path}: unknown workload(s) {bad}; known: {', '.join(WORKLOADS)}")
+    policies = tuple(data.get("policies", list(POLICIES)))
+    if not policies or any(p not in POLICIES for p in policies):
+        raise ProfileError(f"{path}: policies must be a non-empty subset of {list(POLICIES)}, got {list(policies)}")
+    count = data.get("random_per_workload", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ProfileError(f"{path}: random_per_workload must be an integer >= 0, got {count!r}")
+    return Profile(path.stem, str(data.get("description", "")), workloads, policies, count)
