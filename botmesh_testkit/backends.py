@@ -139,3 +139,85 @@ HARNESSES: dict[str, Callable[[str | None], BackendHarness]] = {
     "sqlite": SQLiteHarness,
 }
 """The built-in backends by name."""
+
+
+class FactoryHarness(BackendHarness):
+    """A third party's backend, named ``pkg.module:factory`` on the command line.
+
+    ``factory()`` — or ``factory(workdir)`` when it takes one argument — returns a
+    ``DurabilityBackend`` or a ``DurableKv`` (wrapped in ``KvDurability``). It is called
+    once per incarnation and must return a *new* instance on the *same* storage: that is
+    how a restart after a simulated death is modelled. ``workdir`` is a fresh directory
+    per test or crash cell: storage derived from it (a file in it, a database or key
+    prefix named after it) keeps cells apart. An instance with an ``abandon()``
+    method has it called at the simulated death. The bot's store is a MemoryStore kept
+    across restarts.
+    """
+
+    def __init__(self, spec: str, factory: Callable[..., Any], workdir: str | None = None) -> None:
+        super().__init__(workdir)
+        self.name = spec
+        self.factory = factory
+        self.current: Any = None
+        self._caps: Capabilities | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps or Capabilities()
+
+    async def _make(self) -> DurabilityBackend:
+        import inspect
+
+        from botmesh.core.spi import DurableKv, KvDurability
+
+        try:
+            takes_dir = len(inspect.signature(self.factory).parameters) == 1
+        except (TypeError, ValueError):
+            takes_dir = False
+        made = self.factory(self.workdir) if takes_dir else self.factory()
+        if inspect.isawaitable(made):
+            made = await made
+        self.current = made
+        if isinstance(made, DurableKv):
+            backend: DurabilityBackend = KvDurability(made, name=self.name)
+        elif isinstance(made, DurabilityBackend):
+            backend = made
+        else:
+            raise TypeError(f"backend factory {self.name!r} returned {type(made).__name__}; "
+                            "expected a DurabilityBackend or a DurableKv")
+        self._caps = backend.capabilities
+        return backend
+
+    async def open(self) -> tuple[DurabilityBackend, Store]:
+        self.store = MemoryStore()
+        return await self._make(), self.store
+
+    async def reopen(self) -> tuple[DurabilityBackend, Store]:
+        abandon = getattr(self.current, "abandon", None)
+        if callable(abandon):
+            abandon()
+        return await self._make(), self.store
+
+
+class BackendSpecError(ValueError):
+    """A ``--botmesh-backend`` value that names nothing usable."""
+
+
+def resolve(spec: str) -> Callable[[str | None], BackendHarness]:
+    """A harness factory for a built-in name or a ``pkg.module:factory`` path."""
+    if spec in HARNESSES:
+        return HARNESSES[spec]
+    if ":" not in spec:
+        raise BackendSpecError(f"{spec!r} is not a built-in backend ({', '.join(HARNESSES)}) "
+                               "nor a 'pkg.module:factory' path")
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendSpecError(f"{spec!r}: cannot import module {module_name!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise BackendSpecError(f"{spec!r}: module {module_name!r} has no callable {attr!r}")
+    return lambda workdir: FactoryHarness(spec, factory, workdir)

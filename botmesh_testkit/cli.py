@@ -18,7 +18,7 @@ from collections import defaultdict
 
 from botmesh.core.backend import WRITE_OPS
 
-from .backends import HARNESSES
+from .backends import HARNESSES, BackendSpecError, resolve
 from .crash import PROVIDER_SEND
 from .matrix import Cell, MatrixResult, Outcome, run_matrix_sync
 from .profiles import ProfileError, builtin_names, load_profile
@@ -92,8 +92,10 @@ def summarize(result: MatrixResult, backends: list[str], profile_line: str) -> s
 def _run(args: argparse.Namespace) -> int:
     backends = args.backend or ["sqlite"]
     for b in backends:
-        if b not in HARNESSES:
-            print(f"botmesh-testkit: --backend {b!r} is not known; choose from {', '.join(HARNESSES)}", file=sys.stderr)
+        try:
+            resolve(b)
+        except BackendSpecError as exc:
+            print(f"botmesh-testkit: --backend {exc}", file=sys.stderr)
             return 2
     try:
         profile = load_profile(args.matrix)

@@ -33,11 +33,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends import HARNESSES, BackendHarness
+from .backends import BackendHarness, resolve
 from .workloads import WORKLOADS, Workload, transient
 from .world import World
 
 POLICIES = ("skip", "resend")
+DRAIN_MS = 150_000.0
+"""Virtual time a cell lets pass after each stage: well past the outbox's whole retry
+budget with the default backoff (about 31 s) and the inbox backoff, so a correct backend
+always settles; a broken one that never settles is judged after it."""
 
 
 @dataclass(frozen=True)
@@ -153,17 +157,17 @@ async def _play(world: World, w: Workload) -> None:
     """Feed the workload, letting time run between stages; stops at a crash."""
     await _feed(world, w.inbound)
     if not world.crashed:
-        await world.drain()
+        await world.drain(DRAIN_MS)
     if w.answers and not world.crashed:
         await _feed(world, w.answers)
         if not world.crashed:
-            await world.drain()
+            await world.drain(DRAIN_MS)
 
 
 async def oracle(backend: str, workload: str, seed: int, workdir: str) -> Oracle:
     """A crash-free run: what the workload delivers, and the crash points it passes."""
     w = WORKLOADS[workload]
-    harness = HARNESSES[backend](workdir)
+    harness = resolve(backend)(workdir)
     world = _world(harness, w, "skip", seed)
     try:
         await world.start(crash=True)  # armed with nothing: records the points passed
@@ -215,7 +219,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str) -> Outcom
     """Run one cell and check its history."""
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
-    harness = HARNESSES[cell.backend](workdir)
+    harness = resolve(cell.backend)(workdir)
     world = _world(harness, w, cell.policy, seed)
     try:
         await world.start(crash=True)
@@ -234,10 +238,10 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str) -> Outcom
             await world.restart()
             # the channel redelivers everything that was not acknowledged, in order
             await _feed(world, w.inbound)
-            await world.drain()
+            await world.drain(DRAIN_MS)
             if w.answers:
                 await _feed(world, w.answers)
-                await world.drain()
+                await world.drain(DRAIN_MS)
         outcome = Outcome(cell, crashed, crash_point, history=history,
                           deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent])
         await check(world, truth, outcome)

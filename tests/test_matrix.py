@@ -86,7 +86,7 @@ def test_cli(capsys: Any) -> None:
     assert main(["points"]) == 0
     assert "outbox.mark_sent" in capsys.readouterr().out
     assert main(["run", "--backend", "nosuch"]) == 2
-    assert "--backend 'nosuch' is not known" in capsys.readouterr().err
+    assert "--backend 'nosuch' is not a built-in backend" in capsys.readouterr().err
     assert main(["run", "--backend", "memory", "--seed", "5", "-q"]) == 0
     out = capsys.readouterr().out
     assert "seed 5" in out and " 0 failed" in out

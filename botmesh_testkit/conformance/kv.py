@@ -56,11 +56,11 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 import pytest
 from botmesh.core.errors import BackendUnavailableError, VersionConflict
 from botmesh.core.spi import INDEXES, DurableKv, IndexName, MemoryKv, Versioned
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
+    Bundle,
     RuleBasedStateMachine,
-    invariant,
     precondition,
     rule,
     run_state_machine_as_test,
@@ -146,6 +146,31 @@ async def _expect_unavailable(call: Awaitable[Any], message: str) -> None:
     raise AssertionError(f"{message}; it returned {result!r} and raised nothing")
 
 
+async def _guarded(call: Awaitable[T]) -> T:
+    """Await a test's coroutine, turning an error a kv raised where the contract says the
+    call succeeds into an ``AssertionError`` that names the contract (the original stays
+    chained, with its traceback)."""
+    try:
+        return await call
+    except AssertionError:
+        raise
+    except VersionConflict as exc:
+        raise AssertionError(
+            "BACK-7: a put()/delete() with the record's current version must succeed (a record's version is 1 "
+            "when it is created and grows by exactly 1 with every successful put); the kv raised "
+            f"VersionConflict: {exc}"
+        ) from exc
+    except BackendUnavailableError as exc:
+        raise AssertionError(
+            f"BACK-7: a call on an open kv must succeed; the kv raised BackendUnavailableError: {exc}"
+        ) from exc
+    except Exception as exc:
+        raise AssertionError(
+            "BACK-7: errors of the underlying driver are raised as BackendUnavailableError (never the "
+            f"driver's type), and a valid call must succeed; the kv raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 async def _state(kv: DurableKv, scope: str, space: str) -> dict[str, Any]:
     """Everything a kv shows of ``(scope, space)``: every record by scan, and both
     indexes in full."""
@@ -153,6 +178,18 @@ async def _state(kv: DurableKv, scope: str, space: str) -> dict[str, Any]:
         "records": await kv.scan(scope, space, after=None, limit=10_000),
         **{index: await kv.range(scope, space, index, upto=INF, limit=10_000) for index in INDEXES},
     }
+
+
+async def _probe(kv: DurableKv, scope: str, space: str) -> dict[str, Any]:
+    """:func:`_state` plus a few cut-off reads (``upto`` in the middle of the scores the
+    state machine uses, small limits, ``after``), so that a wrong ``range`` or ``scan``
+    is seen right after the write that exposes it: short failing examples shrink fast."""
+    probe = await _state(kv, scope, space)
+    for index in INDEXES:
+        probe[f"{index} upto=1.0"] = await kv.range(scope, space, index, upto=1.0, limit=10_000)
+        probe[f"{index} limit=2"] = await kv.range(scope, space, index, upto=INF, limit=2)
+    probe["scan after='k10' limit=2"] = await kv.scan(scope, space, after="k10", limit=2)
+    return probe
 
 
 async def _cleanup(kv: DurableKv, scopes: Scopes) -> None:
@@ -182,12 +219,15 @@ _SCORES = st.sampled_from([None, 0.0, 1.0, 2.5, 1_700_000_000_000.5])
 _UPTO = st.sampled_from([-1.0, 0.0, 1.0, 2.5, 1e12, 1_700_000_000_000.5, INF])
 _LIMITS = st.sampled_from([0, 1, 2, 3, 100])
 _AFTER = st.sampled_from([None, "", "k1", "k10", "k15", "é", "z"])
-_VALUES = st.fixed_dictionaries(
-    {
-        "n": st.integers(-3, 3),
-        "s": st.sampled_from(["", "x", "é✓🤖"]),
-        "l": st.lists(st.sampled_from([0, 1.5, None, True, "y"]), max_size=2),
-    }
+# A handful of values, one draw each: the value tests cover contents; here values only
+# need to differ, and few draws keep shrinking quick.
+_VALUES = st.sampled_from(
+    [
+        {"n": 0},
+        {"n": 1, "s": "é✓🤖"},
+        {"n": 2, "l": [0, 1.5, None, True, "y"], "o": {"k": {}}},
+        {},
+    ]
 )
 
 
@@ -196,8 +236,9 @@ def make_agreement_machine(
 ) -> type[RuleBasedStateMachine]:
     """A state machine that applies each random operation to a kv from ``factory`` and
     to a :class:`MemoryKv`, and fails as soon as a result (a return value, or a raised
-    ``VersionConflict``) differs. With ``survives_crash`` it also kills and reopens the
-    kv (or closes and reopens it) between steps; nothing may be lost."""
+    ``VersionConflict``) differs, or — after a write — the records and index entries of
+    the ``(scope, space)`` written differ. With ``survives_crash`` it also kills and
+    reopens the kv (or closes and reopens it) between steps; nothing may be lost."""
 
     class DurableKvAgreement(RuleBasedStateMachine):
         """Random CAS puts (current, zero, ahead and behind versions), deletes, gets,
@@ -205,22 +246,22 @@ def make_agreement_machine(
 
         def __init__(self) -> None:
             super().__init__()
-            # The kv is async and Hypothesis drives rules synchronously: each step runs
-            # on this machine's own loop, closed in teardown.
+            # The kv is async and Hypothesis drives rules synchronously: each step is one
+            # coroutine run on this machine's own loop, closed in teardown.
             self.loop = asyncio.new_event_loop()
             self.scopes = Scopes()
             self.oracle = MemoryKv()
             self.kv: DurableKv | None = None
             try:
-                self._await(self.oracle.open())
+                self._step(self.oracle.open())
                 self.kv = factory()
-                self._await(self.kv.open())
+                self._step(self.kv.open())
             except BaseException:
                 self.loop.close()
                 raise
 
         # -- plumbing ---------------------------------------------------------------
-        def _await(self, call: Awaitable[T]) -> T:
+        def _step(self, call: Awaitable[T]) -> T:
             return self.loop.run_until_complete(asyncio.wait_for(call, timeout))
 
         def _scope(self, name: str) -> str:
@@ -230,29 +271,47 @@ def make_agreement_machine(
             assert self.kv is not None, "internal: the kv under test is not open"
             return self.kv
 
-        def _outcome(self, call: Awaitable[Any]) -> tuple[str, Any]:
+        @staticmethod
+        async def _outcome(call: Awaitable[Any]) -> tuple[str, Any]:
             try:
-                return ("returned", self._await(call))
+                return ("returned", await call)
             except VersionConflict:
                 return ("raised", "VersionConflict")
             except Exception as exc:  # noqa: BLE001 - any other error is a disagreement to report
                 return ("raised", f"{type(exc).__name__}: {exc}")
 
-        def _agree(self, what: str, call: Callable[[DurableKv], Awaitable[Any]]) -> None:
-            expected = self._outcome(call(self.oracle))
-            got = self._outcome(call(self._backend()))
+        async def _agree(
+            self,
+            what: str,
+            call: Callable[[DurableKv], Awaitable[Any]],
+            written: tuple[str, str, str] | None = None,
+        ) -> None:
+            """Run ``call`` on the reference, then on the backend; the outcomes must be
+            equal, and after a write to ``written`` = (scope name, scope, space) so must
+            everything the two show of that (scope, space)."""
+            kv = self._backend()
+            expected = await self._outcome(call(self.oracle))
+            got = await self._outcome(call(kv))
             assert got == expected, (
                 "BACK-7: the backend must behave exactly like the reference MemoryKv for the "
                 f"same operations; {what}: MemoryKv {expected[0]} {expected[1]!r}, "
                 f"the backend {got[0]} {got[1]!r}"
             )
+            if written is not None:
+                await self._same_state(*written, after=what)
 
-        def _current(self, scope: str, space: str, key: str) -> int:
-            found = self._await(self.oracle.get(scope, space, key))
-            return 0 if found is None else found.version
+        async def _same_state(self, name: str, scope: str, space: str, *, after: str) -> None:
+            expected_state = await _probe(self.oracle, scope, space)
+            got_state = await self._outcome(_probe(self._backend(), scope, space))
+            assert got_state == ("returned", expected_state), (
+                "BACK-7: every record and index entry must be exactly the reference MemoryKv's after "
+                f"the same operations; after {after}, scope {name!r}, space {space!r}: MemoryKv has "
+                f"{expected_state!r}, the backend {got_state[0]} {got_state[1]!r}"
+            )
 
-        @staticmethod
-        def _version(mode: str, current: int) -> int:
+        async def _version(self, mode: str, scope: str, space: str, key: str) -> int:
+            found = await self.oracle.get(scope, space, key)
+            current = 0 if found is None else found.version
             if mode == "current":
                 return current
             if mode == "zero":
@@ -262,7 +321,32 @@ def make_agreement_machine(
             return current - 1 if current >= 2 else current + 2  # "behind" (stale)
 
         # -- rules --------------------------------------------------------------------
+        # Where puts went: replace/remove draw from it, so that writes over an existing
+        # record (moving or removing its index entries) are frequent.
+        written = Bundle("written")
+
+        async def _write(
+            self, scope: str, space: str, key: str, version: str, value: dict[str, Any] | None,
+            due: float | None, expires: float | None,
+        ) -> None:
+            s = self._scope(scope)
+            n = await self._version(version, s, space, key)
+            if value is None:
+                await self._agree(
+                    f"delete({scope!r}, {space!r}, {key!r}, expected_version={n})",
+                    lambda kv: kv.delete(s, space, key, expected_version=n),
+                    written=(scope, s, space),
+                )
+            else:
+                await self._agree(
+                    f"put({scope!r}, {space!r}, {key!r}, {value!r}, expected_version={n}, "
+                    f"due={due!r}, expires={expires!r})",
+                    lambda kv: kv.put(s, space, key, value, expected_version=n, due=due, expires=expires),
+                    written=(scope, s, space),
+                )
+
         @rule(
+            target=written,
             scope=_SCOPE_CHOICES,
             space=_SPACE_CHOICES,
             key=_KEY_CHOICES,
@@ -280,28 +364,30 @@ def make_agreement_machine(
             value: dict[str, Any],
             due: float | None,
             expires: float | None,
+        ) -> tuple[str, str, str]:
+            self._step(self._write(scope, space, key, version, value, due, expires))
+            return (scope, space, key)
+
+        @rule(where=written, value=_VALUES, due=_SCORES, expires=_SCORES)
+        def replace(
+            self, where: tuple[str, str, str], value: dict[str, Any], due: float | None, expires: float | None
         ) -> None:
-            s = self._scope(scope)
-            expected_version = self._version(version, self._current(s, space, key))
-            self._agree(
-                f"put({scope!r}, {space!r}, {key!r}, {value!r}, expected_version={expected_version}, "
-                f"due={due!r}, expires={expires!r})",
-                lambda kv: kv.put(s, space, key, value, expected_version=expected_version, due=due, expires=expires),
-            )
+            """A put with the current version where an earlier put went."""
+            self._step(self._write(*where, "current", value, due, expires))
 
         @rule(scope=_SCOPE_CHOICES, space=_SPACE_CHOICES, key=_KEY_CHOICES, version=_VERSION_CHOICES)
         def delete(self, scope: str, space: str, key: str, version: str) -> None:
-            s = self._scope(scope)
-            expected_version = self._version(version, self._current(s, space, key))
-            self._agree(
-                f"delete({scope!r}, {space!r}, {key!r}, expected_version={expected_version})",
-                lambda kv: kv.delete(s, space, key, expected_version=expected_version),
-            )
+            self._step(self._write(scope, space, key, version, None, None, None))
+
+        @rule(where=written, version=_VERSION_CHOICES)
+        def remove(self, where: tuple[str, str, str], version: str) -> None:
+            """A delete where an earlier put went."""
+            self._step(self._write(*where, version, None, None, None))
 
         @rule(scope=_SCOPE_CHOICES, space=_SPACE_CHOICES, key=_KEY_CHOICES)
         def get(self, scope: str, space: str, key: str) -> None:
             s = self._scope(scope)
-            self._agree(f"get({scope!r}, {space!r}, {key!r})", lambda kv: kv.get(s, space, key))
+            self._step(self._agree(f"get({scope!r}, {space!r}, {key!r})", lambda kv: kv.get(s, space, key)))
 
         @rule(
             scope=_SCOPE_CHOICES,
@@ -312,18 +398,33 @@ def make_agreement_machine(
         )
         def range(self, scope: str, space: str, index: IndexName, upto: float, limit: int) -> None:
             s = self._scope(scope)
-            self._agree(
-                f"range({scope!r}, {space!r}, {index!r}, upto={upto!r}, limit={limit})",
-                lambda kv: kv.range(s, space, index, upto=upto, limit=limit),
+            self._step(
+                self._agree(
+                    f"range({scope!r}, {space!r}, {index!r}, upto={upto!r}, limit={limit})",
+                    lambda kv: kv.range(s, space, index, upto=upto, limit=limit),
+                )
             )
 
         @rule(scope=_SCOPE_CHOICES, space=_SPACE_CHOICES, after=_AFTER, limit=_LIMITS)
         def scan(self, scope: str, space: str, after: str | None, limit: int) -> None:
             s = self._scope(scope)
-            self._agree(
-                f"scan({scope!r}, {space!r}, after={after!r}, limit={limit})",
-                lambda kv: kv.scan(s, space, after=after, limit=limit),
+            self._step(
+                self._agree(
+                    f"scan({scope!r}, {space!r}, after={after!r}, limit={limit})",
+                    lambda kv: kv.scan(s, space, after=after, limit=limit),
+                )
             )
+
+        @rule()
+        def everything(self) -> None:
+            """All four (scope, space) pairs agree in full (records and both indexes)."""
+
+            async def step() -> None:
+                for name in ("a", "b"):
+                    for space in ("inbox", "outbox"):
+                        await self._same_state(name, self._scope(name), space, after="the steps so far")
+
+            self._step(step())
 
         @precondition(lambda self: survives_crash)
         @rule(how=st.sampled_from(["crash", "close"]))
@@ -334,32 +435,26 @@ def make_agreement_machine(
             if how == "crash":
                 crash(kv)
             else:
-                self._await(kv.close())
+                self._step(kv.close())
             # Dropping the last reference is enough here (no gc.collect(): it would cost
             # more than the whole step); the crash test does a full collection.
             self.kv = None
             del kv
             self.kv = factory()
-            self._await(self.kv.open())
+            self._step(self.kv.open())
 
-        @invariant()
-        def everything_agrees(self) -> None:
-            for name in ("a", "b"):
-                s = self._scope(name)
-                for space in ("inbox", "outbox"):
-                    expected = self._await(_state(self.oracle, s, space))
-                    got = self._outcome(_state(self._backend(), s, space))
-                    assert got == ("returned", expected), (
-                        "BACK-7: every record and index entry must be exactly the reference "
-                        f"MemoryKv's after the same operations; scope {name!r}, space {space!r}: "
-                        f"MemoryKv has {expected!r}, the backend {got[0]} {got[1]!r}"
-                    )
+            async def step() -> None:
+                for name in ("a", "b"):
+                    for space in ("inbox", "outbox"):
+                        await self._same_state(name, self._scope(name), space, after=f"reopen(how={how!r})")
+
+            self._step(step())
 
         def teardown(self) -> None:
             try:
                 if self.kv is not None:
-                    self._await(_cleanup(self.kv, self.scopes))
-                    self._await(self.kv.close())
+                    self._step(_cleanup(self.kv, self.scopes))
+                    self._step(self.kv.close())
             finally:
                 self.loop.close()
 
@@ -408,7 +503,7 @@ class DurableKvConformance:
             await kv.open()
             scopes = Scopes()
             try:
-                await body(kv, scopes)
+                await _guarded(body(kv, scopes))
             except BaseException:
                 try:
                     await _cleanup(kv, scopes)
@@ -1213,7 +1308,7 @@ class DurableKvConformance:
                     f"BACK-7: close() is idempotent: a second close() raised {type(exc).__name__}: {exc}"
                 ) from exc
 
-        asyncio.run(asyncio.wait_for(main(), self.timeout_seconds))
+        asyncio.run(asyncio.wait_for(_guarded(main()), self.timeout_seconds))
 
     # -- crash survival --------------------------------------------------------------------
     @pytest.mark.spec("BACK-7")
@@ -1283,7 +1378,7 @@ class DurableKvConformance:
             finally:
                 await third.close()
 
-        asyncio.run(asyncio.wait_for(main(), self.timeout_seconds))
+        asyncio.run(asyncio.wait_for(_guarded(main()), self.timeout_seconds))
 
     # -- model-based -------------------------------------------------------------------------
     @pytest.mark.spec("BACK-7", "SCOPE-2", "LEASE-2")
@@ -1305,6 +1400,9 @@ class DurableKvConformance:
                 stateful_step_count=self.stateful_step_count,
                 deadline=None,
                 suppress_health_check=[HealthCheck.too_slow],
+                # No "explain" phase: re-running the failing example under tracing costs
+                # far more than the rest, and the failing steps are printed anyway.
+                phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
             ),
         )
 

@@ -32,6 +32,8 @@ class Clock(Protocol):
 
     def busy(self) -> contextlib.AbstractContextManager[None]: ...
 
+    def waiting(self) -> contextlib.AbstractContextManager[None]: ...
+
 
 class RealClock:
     """Wall-clock time and real sleeping."""
@@ -43,6 +45,9 @@ class RealClock:
         await asyncio.sleep(max(0.0, ms) / 1000.0)
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
 
@@ -115,6 +120,22 @@ class VirtualClock:
             if self._depth[task] == 0:
                 del self._depth[task]
                 self._dec()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Inside a busy block, mark a wait on *another task's* progress (a per-chat
+        lock held by a send that sleeps on its backoff): it does not count as busy, or
+        time could never move. The task waking it is busy when it releases it, and the
+        wake-up sits in the loop's ready queue, which ``settle`` waits for."""
+        task = asyncio.current_task()
+        in_busy = self._depth.get(task, 0) > 0
+        if in_busy:
+            self._dec()
+        try:
+            yield
+        finally:
+            if in_busy:
+                self._active += 1
 
     # -- driving time -------------------------------------------------------------------
     def _dec(self) -> None:

@@ -207,6 +207,20 @@ class DurabilityRuntime:
             lock = self._chat_locks[chat_id] = asyncio.Lock()
         return lock
 
+    @contextlib.asynccontextmanager
+    async def _in_chat_order(self, chat_id: str) -> Any:
+        """Hold the chat's lock (OUT-11); waiting for it is not busy work."""
+        lock = self._chat_lock(chat_id)
+        if lock.locked():
+            with self.clock.waiting():
+                await lock.acquire()
+        else:
+            await lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
     # -- heartbeat (LEASE-1) ------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Any:
@@ -376,6 +390,13 @@ class DurabilityRuntime:
                 return
             if prev.state not in ("sent", "unknown"):
                 return  # waiting behind it is not an attempt
+        if rec.state in ("pending", "failed"):
+            # OUT-13: split before claiming, so a death in the middle is not an ambiguous send
+            parts = contentlib.split_content(rec.content, self.bot.provider.text_limit)
+            if len(parts) > 1:
+                await self._journal_parts(rec, parts)
+                if not await b.outbox_split(scope, rec.key, token=None, content=parts[0]):
+                    return  # claimed or changed meanwhile: the next pass sees it
         claim = await b.outbox_claim(
             scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
             lease_ms=self.config.outbox.lease_ms, recover=recover,
@@ -479,7 +500,7 @@ class DurabilityRuntime:
                 fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
             except contentlib.UnencodableContent as exc:
                 return await self._bypass(chat_id, content, str(exc))
-            async with self._chat_lock(chat_id):  # OUT-11
+            async with self._in_chat_order(chat_id):  # OUT-11
                 existing = await self.backend.outbox_get(self.scope, key)
                 if existing is not None and rule == "derived" and existing.fingerprint != fp:  # OUT-5
                     self._count("outbox_diverged")
@@ -660,7 +681,7 @@ class DurabilityRuntime:
             rec = await self.backend.outbox_get(self.scope, key)
             if rec is None:
                 return
-            async with self._chat_lock(rec.chat_id):
+            async with self._in_chat_order(rec.chat_id):
                 while rec is not None:
                     await self._deliver(rec, recover=False)
                     done = await self.backend.outbox_get(self.scope, rec.key)
@@ -694,6 +715,6 @@ class DurabilityRuntime:
                 return False
             rec = await self.backend.outbox_get(self.scope, key)
             if rec is not None:
-                async with self._chat_lock(rec.chat_id):
+                async with self._in_chat_order(rec.chat_id):
                     await self._deliver(rec, recover=False)
             return True
