@@ -567,3 +567,54 @@ async def test_default_instance_id(tmp_path: Any) -> None:
     b = Bot(MockProvider(), durability={"backend": shared}, bot_id="b", connection_id="c")
     assert a.durability.instance_id.startswith(f"{socket.gethostname()}/b/c/")
     assert a.durability.instance_id != b.durability.instance_id
+
+
+@spec("LEASE-5", "LEASE-4")
+async def test_two_live_bots_with_one_instance_id_steal_leases(tmp_path: Any) -> None:
+    """The documented misconfiguration: a second live bot with the same instance_id takes
+    the first one's lease at its first sweep (it looks like a dead incarnation), and the
+    first one's completion is then refused as stale."""
+    from botmesh.core import InboundEvent, MemoryDurability, VirtualClock
+    from botmesh.core.testing import MockProvider
+
+    clock = VirtualClock()
+    backend = MemoryDurability()
+    runs: list[str] = []
+
+    def make(name: str) -> Bot:
+        bot = Bot(MockProvider(), MemoryStore(), {"backend": backend, "instance_id": "same"}, clock=clock)
+
+        @bot.otherwise
+        async def slow(ctx: Any) -> None:
+            runs.append(name)
+            await clock.sleep(5_000)
+
+        return bot
+
+    a, b = make("a"), make("b")
+    await a.start()
+    import asyncio
+
+    task = asyncio.ensure_future(a.provider.deliver(InboundEvent(id="m1", chat_id="c1", text="x")))
+    await clock.settle()
+    await b.start()
+    await clock.advance(6_000)
+    await task
+    assert runs == ["a", "b"]
+    assert a.durability.metrics()["stale_leases"] == 1
+    await a.abandon()
+    await b.abandon()
+
+
+@spec("ENABLE-4")
+async def test_durable_bot_with_a_memory_store_and_persistent_flows_warns(tmp_path: Any, caplog: Any) -> None:
+    from botmesh.core.file_backend import FileDurability
+    from botmesh.core.testing import MockProvider
+
+    backend = await FileDurability.open(str(tmp_path / "j.json"))
+    bot = Bot(MockProvider(), MemoryStore(), {"backend": backend})
+    bot.when("x", Flow("f").ask("q?", save_as="a").persistent())
+    await bot.start()
+    assert any("persistent store" in r.getMessage() for r in caplog.records)
+    await bot.stop()
+    await backend.close()

@@ -86,6 +86,12 @@ class Bot:
     value raises ``ConfigError`` naming the option (CONF-1).
 
     ``clock`` is injected (tests pass a ``VirtualClock``); ``rng`` drives backoff jitter.
+
+    A durable bot should also get a persistent store: checkpoints of ``.persistent()``
+    flows live there (ENABLE-4; ``start()`` warns when a crash-surviving backend is paired
+    with a ``MemoryStore`` and persistent flows). Give each replica running at the same
+    time its own ``instance_id``: two live processes with the same id take each other's
+    leases (LEASE-5, a misconfiguration).
     """
 
     def __init__(
@@ -195,6 +201,16 @@ class Bot:
         whose first pass recovers what a previous incarnation left (INB-3, LEASE-4) —
         then the provider."""
         await self.store.open()
+        if (
+            self.durability is not None
+            and self.durability.backend.capabilities.survives_crash
+            and isinstance(self.store, MemoryStore)
+            and any(f.is_persistent for f in self._flows.values())
+        ):  # ENABLE-4
+            log.warning(
+                "durable bot with a MemoryStore: checkpoints of .persistent() flows will not survive a restart; "
+                "give the bot a persistent store (e.g. SQLiteStore)"
+            )
         self.provider.attach(self._receive)
         if self.durability is not None:
             await self.durability.start()
