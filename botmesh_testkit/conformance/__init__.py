@@ -20,9 +20,10 @@ Binding it takes three lines in a test module::
 ``DurableKv`` on the **same** storage (the suite opens, closes, and — for the crash test —
 abandons instances itself).
 
-The tests carry ``@pytest.mark.spec(<ids>)``. Until the testkit's pytest plugin registers
-the ``spec`` marker, a project running with ``--strict-markers`` registers it in its own
-configuration (``markers = ["spec(*ids): ..."]``).
+The tests carry ``@pytest.mark.spec(<ids>)``. The testkit's pytest plugin (entry point
+``botmesh``) registers the ``spec`` marker; a project that runs without it and with
+``--strict-markers`` registers the marker in its own configuration
+(``markers = ["spec(*ids): ..."]``).
 """
 
 from __future__ import annotations
