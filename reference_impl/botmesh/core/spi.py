@@ -41,7 +41,11 @@ from collections.abc import Callable
 
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, VersionConflict
+from typing import TypeVar
+
 from .records import InboxRecord, OutboxRecord
+
+RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
 from .spi_types import INDEXES, Capabilities, IndexName, Versioned
 
 __all__ = [
@@ -370,6 +374,33 @@ class KvDurability(DurabilityBackend):
         new = await self._transition(scope, OUTBOX, key, self._out(change), self._out_idx)
         return None if new is None else OutboxRecord.from_json(new)
 
+    async def _scan_records(self, scope: str, space: str, cls: type[RecordT], state: str | None, limit: int) -> list[RecordT]:
+        result: list[RecordT] = []
+        after: str | None = None
+        while len(result) < limit:
+            page = await self.kv.scan(scope, space, after=after, limit=200)
+            if not page:
+                break
+            for _, found in page:
+                rec = cls.from_json(found.value)
+                if state is None or rec.state == state:
+                    result.append(rec)
+            after = page[-1][0]
+        return result[:limit]
+
+    async def _journal_record(
+        self, scope: str, space: str, key: str, record: RecordT, indexes: tuple[float | None, float | None]
+    ) -> tuple[RecordT, bool]:
+        """Create unless the key exists; then return the stored record (INB-4, OUT-2)."""
+        value = record.to_json()
+        for _ in range(2):  # a second round only when the record vanished in between
+            if await self._create(scope, space, key, value, *indexes):
+                return record, True
+            found = await self.kv.get(scope, space, key)
+            if found is not None:
+                return type(record).from_json(found.value), False
+        raise DurabilityError(f"{space}/{key}: created and deleted concurrently twice")
+
     async def _purge(self, scope: str, space: str, now: float, limit: int) -> int:
         purged = 0
         for _, key in await self.kv.range(scope, space, "expires", upto=now, limit=limit):
@@ -385,17 +416,7 @@ class KvDurability(DurabilityBackend):
 
     # -- inbox ------------------------------------------------------------------------
     async def inbox_journal(self, scope: str, record: InboxRecord) -> tuple[InboxRecord, bool]:
-        value = record.to_json()
-        due, expires = _inbox_indexes(record)
-        if await self._create(scope, INBOX, record.id, value, due, expires):
-            return record, True
-        existing = await self.inbox_get(scope, record.id)
-        if existing is None:  # deleted in between: try once more
-            if await self._create(scope, INBOX, record.id, value, due, expires):
-                return record, True
-            existing = await self.inbox_get(scope, record.id)
-            assert existing is not None
-        return existing, False
+        return await self._journal_record(scope, INBOX, record.id, record, _inbox_indexes(record))
 
     async def inbox_claim(
         self, scope: str, id: str, *, owner: str, incarnation: str, now: float, lease_ms: float, recover: bool
@@ -470,35 +491,14 @@ class KvDurability(DurabilityBackend):
         return None if found is None else InboxRecord.from_json(found.value)
 
     async def inbox_list(self, scope: str, *, state: str | None = None, limit: int = 1000) -> list[InboxRecord]:
-        result: list[InboxRecord] = []
-        after: str | None = None
-        while len(result) < limit:
-            page = await self.kv.scan(scope, INBOX, after=after, limit=200)
-            if not page:
-                break
-            for key, found in page:
-                rec = InboxRecord.from_json(found.value)
-                if state is None or rec.state == state:
-                    result.append(rec)
-            after = page[-1][0]
-        return result[:limit]
+        return await self._scan_records(scope, INBOX, InboxRecord, state, limit)
 
     async def inbox_due(self, scope: str, *, upto: float, limit: int) -> list[str]:
         return [key for _, key in await self.kv.range(scope, INBOX, "due", upto=upto, limit=limit)]
 
     # -- outbox -----------------------------------------------------------------------
     async def outbox_journal(self, scope: str, record: OutboxRecord) -> tuple[OutboxRecord, bool]:
-        value = record.to_json()
-        due, expires = _outbox_indexes(record)
-        if await self._create(scope, OUTBOX, record.key, value, due, expires):
-            return record, True
-        existing = await self.outbox_get(scope, record.key)
-        if existing is None:
-            if await self._create(scope, OUTBOX, record.key, value, due, expires):
-                return record, True
-            existing = await self.outbox_get(scope, record.key)
-            assert existing is not None
-        return existing, False
+        return await self._journal_record(scope, OUTBOX, record.key, record, _outbox_indexes(record))
 
     async def outbox_claim(
         self, scope: str, key: str, *, owner: str, incarnation: str, now: float, lease_ms: float, recover: bool
@@ -606,18 +606,7 @@ class KvDurability(DurabilityBackend):
         return None if found is None else OutboxRecord.from_json(found.value)
 
     async def outbox_list(self, scope: str, *, state: str | None = None, limit: int = 1000) -> list[OutboxRecord]:
-        result: list[OutboxRecord] = []
-        after: str | None = None
-        while len(result) < limit:
-            page = await self.kv.scan(scope, OUTBOX, after=after, limit=200)
-            if not page:
-                break
-            for _, found in page:
-                rec = OutboxRecord.from_json(found.value)
-                if state is None or rec.state == state:
-                    result.append(rec)
-            after = page[-1][0]
-        return result[:limit]
+        return await self._scan_records(scope, OUTBOX, OutboxRecord, state, limit)
 
     async def outbox_due(self, scope: str, *, upto: float, limit: int) -> list[str]:
         return [key for _, key in await self.kv.range(scope, OUTBOX, "due", upto=upto, limit=limit)]
