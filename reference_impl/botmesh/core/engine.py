@@ -221,6 +221,18 @@ class DurabilityRuntime:
         finally:
             lock.release()
 
+    async def _claim_inbound(self, id: str, *, recover: bool) -> InboxRecord | None:
+        return await self.backend.inbox_claim(
+            self.scope, id, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+            lease_ms=self.config.inbox.lease_ms, recover=recover,
+        )
+
+    async def _claim_send(self, key: str, *, recover: bool) -> tuple[OutboxRecord, str] | None:
+        return await self.backend.outbox_claim(
+            self.scope, key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
+            lease_ms=self.config.outbox.lease_ms, recover=recover,
+        )
+
     # -- heartbeat (LEASE-1) ------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Any:
@@ -347,10 +359,7 @@ class DurabilityRuntime:
         for id in await b.inbox_due(scope, upto=upto, limit=100):
             if id in self._local_inbound:
                 continue
-            record = await b.inbox_claim(
-                scope, id, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-                lease_ms=self.config.inbox.lease_ms, recover=recover,
-            )
+            record = await self._claim_inbound(id, recover=recover)
             if record is None:
                 continue
             if record.attempts > self.config.inbox.max_attempts:  # INB-7, GUAR-7
@@ -397,10 +406,7 @@ class DurabilityRuntime:
                 await self._journal_parts(rec, parts)
                 if not await b.outbox_split(scope, rec.key, token=None, content=parts[0]):
                     return  # claimed or changed meanwhile: the next pass sees it
-        claim = await b.outbox_claim(
-            scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-            lease_ms=self.config.outbox.lease_ms, recover=recover,
-        )
+        claim = await self._claim_send(rec.key, recover=recover)
         if claim is None:
             return
         rec, previous_state = claim
@@ -516,18 +522,12 @@ class DurabilityRuntime:
                 prepared = await self.bot._run_before_send(chat_id, content)
                 if prepared is None:
                     return SendResult(None, key, state="cancelled")
-                try:
-                    encoded = contentlib.encode(prepared)
-                except contentlib.UnencodableContent as exc:
-                    return await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
-                if contentlib.encoded_size(encoded) > self.config.outbox.max_payload_bytes:
-                    return await self._bypass(chat_id, prepared, "payload over outbox.max_payload_bytes", hooks_done=True)
+                encoded = await self._encode_or_bypass(chat_id, prepared)
+                if isinstance(encoded, SendResult):
+                    return encoded
                 rec = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
                 if rec.state != "sending":
-                    claim = await self.backend.outbox_claim(
-                        self.scope, key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-                        lease_ms=self.config.outbox.lease_ms, recover=False,
-                    )
+                    claim = await self._claim_send(key, recover=False)
                     if claim is None:
                         return SendResult(None, key, state="pending")
                     rec = claim[0]
@@ -574,10 +574,7 @@ class DurabilityRuntime:
             raise SendFailedError(rec.key, rec.error or "dead")
         if rec.state == "unknown":
             return SendResult(None, rec.key, state="unknown")
-        claim = await self.backend.outbox_claim(
-            self.scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-            lease_ms=self.config.outbox.lease_ms, recover=True,
-        )
+        claim = await self._claim_send(rec.key, recover=True)
         if claim is None:  # in flight elsewhere or not due yet: the sweep owns it now
             return SendResult(None, rec.key, state=rec.state)
         new, previous_state = claim
@@ -608,26 +605,37 @@ class DurabilityRuntime:
                 self._count("outbox_deferred")
                 raise SendDeferredError(rec.key, outcome.error)
             await self.clock.sleep(outcome.delay)
-            claim = await self.backend.outbox_claim(
-                self.scope, rec.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-                lease_ms=self.config.outbox.lease_ms, recover=False,
-            )
+            claim = await self._claim_send(rec.key, recover=False)
             if claim is None:
                 self._count("outbox_deferred")
                 raise SendDeferredError(rec.key, outcome.error)
             self._count("outbox_retried")
             rec = claim[0]
 
-    async def _next_part(self, rec: OutboxRecord) -> OutboxRecord | None:
+    async def _following_part(self, rec: OutboxRecord) -> OutboxRecord | None:
+        """The part journaled right after ``rec`` (linked by ``previous_part``), if any."""
         base = rec.key if rec.part == 1 else rec.key[: -len(f"#{rec.part}")]
         nxt = await self.backend.outbox_get(self.scope, contentlib.part_key(base, rec.part + 1))
-        if nxt is None or nxt.previous_part != rec.key:
+        return nxt if nxt is not None and nxt.previous_part == rec.key else None
+
+    async def _next_part(self, rec: OutboxRecord) -> OutboxRecord | None:
+        nxt = await self._following_part(rec)
+        if nxt is None:
             return None
-        claim = await self.backend.outbox_claim(
-            self.scope, nxt.key, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-            lease_ms=self.config.outbox.lease_ms, recover=False,
-        )
+        claim = await self._claim_send(nxt.key, recover=False)
         return None if claim is None else claim[0]
+
+    async def _encode_or_bypass(self, chat_id: str, prepared: dict[str, Any]) -> dict[str, Any] | SendResult:
+        """The journal form of content after the hooks, or — when it cannot be journaled
+        or is over ``outbox.max_payload_bytes`` — the result of sending it without the
+        outbox (OUT-15)."""
+        try:
+            encoded = contentlib.encode(prepared)
+        except contentlib.UnencodableContent as exc:
+            return await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
+        if contentlib.encoded_size(encoded) > self.config.outbox.max_payload_bytes:
+            return await self._bypass(chat_id, prepared, "payload over outbox.max_payload_bytes", hooks_done=True)
+        return encoded
 
     async def _bypass(self, chat_id: str, content: dict[str, Any], why: str, *, hooks_done: bool = False) -> SendResult:
         """OUT-15: content that cannot be journaled is sent without the outbox."""
@@ -658,13 +666,8 @@ class DurabilityRuntime:
             prepared = await self.bot._run_before_send(chat_id, content)
             if prepared is None:
                 return {"key": key}
-            try:
-                encoded = contentlib.encode(prepared)
-            except contentlib.UnencodableContent as exc:
-                await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
-                return {"key": key}
-            if contentlib.encoded_size(encoded) > self.config.outbox.max_payload_bytes:
-                await self._bypass(chat_id, prepared, "payload over outbox.max_payload_bytes", hooks_done=True)
+            encoded = await self._encode_or_bypass(chat_id, prepared)
+            if isinstance(encoded, SendResult):
                 return {"key": key}
             await self._journal_new(key, rule, chat_id, encoded, fp, None, origin="enqueue")
             self._spawn(self._deliver_soon(key))
@@ -687,8 +690,7 @@ class DurabilityRuntime:
                     done = await self.backend.outbox_get(self.scope, rec.key)
                     if done is None or done.state != "sent":
                         return
-                    nxt = await self.backend.outbox_get(self.scope, contentlib.part_key(key, done.part + 1))
-                    rec = nxt if nxt is not None and nxt.previous_part == done.key else None
+                    rec = await self._following_part(done)
 
     # -- operator API (OPS-2) --------------------------------------------------------------
     async def replay_inbound(self, id: str) -> bool:
@@ -698,10 +700,7 @@ class DurabilityRuntime:
             rec = await self.backend.inbox_replay(self.scope, id, now=self._now())
             if rec is None:
                 return False
-            claimed = await self.backend.inbox_claim(
-                self.scope, id, owner=self.instance_id, incarnation=self.incarnation, now=self._now(),
-                lease_ms=self.config.inbox.lease_ms, recover=False,
-            )
+            claimed = await self._claim_inbound(id, recover=False)
             if claimed is None:
                 return False
             self._count("inbound_replayed")

@@ -53,6 +53,11 @@ class VersionConflict(DurabilityError):
 
     code = "KV_CONFLICT"
 
+    @classmethod
+    def at(cls, space: str, key: str, expected: int, found: int) -> VersionConflict:
+        """The conflict every DurableKv raises: ``space/key: expected version E, found F``."""
+        return cls(f"{space}/{key}: expected version {expected}, found {found}", key=key, expected=expected, found=found)
+
 
 class JournalCorruptError(DurabilityError):
     """A journal cannot be read back. ``file`` names the file; for a damaged append-log

@@ -553,12 +553,7 @@ class FileKv(DurableKv):
             current_version = 0 if current is None else current[1]
             conflict: VersionConflict | None
             if current_version != expected_version:
-                conflict = VersionConflict(
-                    f"{space}/{key}: expected version {expected_version}, found {current_version}",
-                    key=key,
-                    expected=expected_version,
-                    found=current_version,
-                )
+                conflict = VersionConflict.at(space, key, expected_version, current_version)
             else:
                 conflict = None
                 entry: _Entry = (stored, expected_version + 1, due_score, expires_score)
@@ -577,12 +572,7 @@ class FileKv(DurableKv):
             current_version = 0 if current is None else current[1]
             conflict: VersionConflict | None
             if current is None or current_version != expected_version:
-                conflict = VersionConflict(
-                    f"{space}/{key}: expected version {expected_version}, found {current_version}",
-                    key=key,
-                    expected=expected_version,
-                    found=current_version,
-                )
+                conflict = VersionConflict.at(space, key, expected_version, current_version)
             else:
                 conflict = None
                 self._commit(scope, space, key, None, expected_version)

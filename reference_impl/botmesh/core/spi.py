@@ -192,12 +192,7 @@ class MemoryKv(DurableKv):
         current_version = 0 if current is None else current[1]
         if current_version != expected_version:
             await asyncio.sleep(0)
-            raise VersionConflict(
-                f"{space}/{key}: expected version {expected_version}, found {current_version}",
-                key=key,
-                expected=expected_version,
-                found=current_version,
-            )
+            raise VersionConflict.at(space, key, expected_version, current_version)
         records[key] = (stored, expected_version + 1, due, expires)
         await asyncio.sleep(0)
         return expected_version + 1
@@ -209,12 +204,7 @@ class MemoryKv(DurableKv):
         current_version = 0 if current is None else current[1]
         if current is None or current_version != expected_version:
             await asyncio.sleep(0)
-            raise VersionConflict(
-                f"{space}/{key}: expected version {expected_version}, found {current_version}",
-                key=key,
-                expected=expected_version,
-                found=current_version,
-            )
+            raise VersionConflict.at(space, key, expected_version, current_version)
         del records[key]
         await asyncio.sleep(0)
 

@@ -178,12 +178,7 @@ class SQLiteKv(DurableKv):
                 raise unavailable(self._file, exc, "put") from exc
         await asyncio.sleep(0)
         if conflict is not None:
-            raise VersionConflict(
-                f"{space}/{key}: expected version {expected_version}, found {conflict}",
-                key=key,
-                expected=expected_version,
-                found=conflict,
-            )
+            raise VersionConflict.at(space, key, expected_version, conflict)
         return new_version
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
@@ -210,12 +205,7 @@ class SQLiteKv(DurableKv):
                 raise unavailable(self._file, exc, "delete") from exc
         await asyncio.sleep(0)
         if conflict is not None:
-            raise VersionConflict(
-                f"{space}/{key}: expected version {expected_version}, found {conflict}",
-                key=key,
-                expected=expected_version,
-                found=conflict,
-            )
+            raise VersionConflict.at(space, key, expected_version, conflict)
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
