@@ -168,29 +168,42 @@ def crashable(backend: DurabilityBackend) -> CrashableBackend:
     return CrashableBackend(backend)
 
 
-class CrashableProvider(Provider):
-    """A provider that dies with its :class:`CrashableBackend` (TEST-2).
+class ChannelProvider(Provider):
+    """A provider that passes everything to ``channel`` (a ``MockProvider`` by default),
+    which stands for the outside world shared by successive bot incarnations: what it
+    recorded was delivered, whatever happens to the bot later."""
 
-    Sends go to ``channel`` (a ``MockProvider`` by default), which stands for the
-    outside world: what it recorded was delivered, whatever happens to the bot later.
-    Its own crash point is ``"provider.send"``: *before* means the call never reached the
-    channel; *after* means the channel accepted the message and the process died before
-    the answer came back.
-    """
-
-    def __init__(self, crashable: CrashableBackend, channel: Provider | None = None) -> None:
+    def __init__(self, channel: Provider | None = None) -> None:
         super().__init__()
         from botmesh.core.testing import MockProvider
 
-        self.crashable = crashable
         self.channel = channel if channel is not None else MockProvider()
         self.name = self.channel.name
         self.text_limit = self.channel.text_limit
         self.serialize_media_ref = self.channel.serialize_media_ref
         self.rehydrate_media_ref = self.channel.rehydrate_media_ref
 
-    def attach(self, inbound: Any) -> None:
-        super().attach(inbound)
+    async def send(self, chat_id: str, content: Content) -> str:
+        return await self.channel.send(chat_id, content)
+
+    async def typing(self, chat_id: str) -> None:
+        await self.channel.typing(chat_id)
+
+    async def download_media(self, ref: Any) -> bytes:
+        return await self.channel.download_media(ref)
+
+
+class CrashableProvider(ChannelProvider):
+    """A provider that dies with its :class:`CrashableBackend` (TEST-2).
+
+    Its own crash point is ``"provider.send"``: *before* means the call never reached the
+    channel; *after* means the channel accepted the message and the process died before
+    the answer came back.
+    """
+
+    def __init__(self, crashable: CrashableBackend, channel: Provider | None = None) -> None:
+        super().__init__(channel)
+        self.crashable = crashable
 
     async def send(self, chat_id: str, content: Content) -> str:
         nth, total = self.crashable.enter(PROVIDER_SEND)
@@ -204,8 +217,8 @@ class CrashableProvider(Provider):
 
     async def typing(self, chat_id: str) -> None:
         self.crashable._check()
-        await self.channel.typing(chat_id)
+        await super().typing(chat_id)
 
     async def download_media(self, ref: Any) -> bytes:
         self.crashable._check()
-        return await self.channel.download_media(ref)
+        return await super().download_media(ref)

@@ -24,28 +24,7 @@ from botmesh.core.store import Store
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
 from .backends import BackendHarness
-from .crash import CrashableBackend, CrashableProvider, crashable
-
-
-class _ChannelProvider(Provider):
-    """Passes sends to the shared channel; a fresh one per incarnation."""
-
-    def __init__(self, channel: MockProvider) -> None:
-        super().__init__()
-        self.channel = channel
-        self.name = channel.name
-        self.text_limit = channel.text_limit
-        self.serialize_media_ref = channel.serialize_media_ref
-        self.rehydrate_media_ref = channel.rehydrate_media_ref
-
-    async def send(self, chat_id: str, content: dict[str, Any]) -> str:
-        return await self.channel.send(chat_id, content)
-
-    async def typing(self, chat_id: str) -> None:
-        await self.channel.typing(chat_id)
-
-    async def download_media(self, ref: Any) -> bytes:
-        return await self.channel.download_media(ref)
+from .crash import ChannelProvider, CrashableBackend, CrashableProvider, crashable
 
 
 class World:
@@ -101,7 +80,7 @@ class World:
             provider = CrashableProvider(self.crashable, self.channel)
         else:
             self.crashable = None
-            provider = _ChannelProvider(self.channel)
+            provider = ChannelProvider(self.channel)
         options = {"backend": backend, "instance_id": self.instance_id, **self.options, **durability}
         bot = Bot(provider, store, options, clock=self.clock, rng=random.Random(self.rng.random()))
         for name in ("error", "durability:dead", "durability:ambiguous"):

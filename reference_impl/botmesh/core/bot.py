@@ -61,7 +61,7 @@ class Context:
         self.text = event.text
         self.record_id = record.id if record is not None else None
         """Id of the inbox record being processed (None without durability)."""
-        self.replayed = record is not None and record.attempts > 1 or bool(record and record.extra.get("replayed"))
+        self.replayed = record is not None and (record.attempts > 1 or bool(record.extra.get("replayed")))
         self.replayed_media = replayed_media
         self.user = UserView(bot.store, event.user_id or event.chat_id)
         self._sends = 0
