@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from botmesh.core.backend import DurabilityBackend
-from botmesh.core.spi import Capabilities, MemoryDurability
+from botmesh.core.spi import Capabilities, DurableKv, MemoryDurability, MemoryKv
 from botmesh.core.store import MemoryStore, Store
 
 
@@ -44,6 +44,12 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        """When the backend is a :class:`~botmesh.core.spi.KvDurability` over a
+        ``DurableKv``: a zero-argument callable giving a new, unopened kv on this
+        harness's storage (what the ``DurableKv`` conformance suite needs); else None."""
+        return None
+
 
 class MemoryHarness(BackendHarness):
     name = "memory"
@@ -55,6 +61,9 @@ class MemoryHarness(BackendHarness):
 
     async def reopen(self) -> tuple[DurabilityBackend, Store]:
         return self.backend, self.store
+
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        return MemoryKv
 
 
 class FileHarness(BackendHarness):
@@ -93,6 +102,11 @@ class FileHarness(BackendHarness):
             await self.backend.close()
             self.backend = None
 
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        from botmesh.core.file_backend import FileKv
+
+        return lambda: FileKv(self.path + ".kv", append_log=self.append_log, fsync=self.fsync)
+
 
 class SQLiteHarness(BackendHarness):
     """``SQLiteStore(file).durability()``; the store is the same SQLite file."""
@@ -130,6 +144,11 @@ class SQLiteHarness(BackendHarness):
             await store.close()
         self.stores.clear()
         self.backends = []
+
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        from botmesh.sqlite_store import SQLiteKv
+
+        return lambda: SQLiteKv(self.path)
 
 
 HARNESSES: dict[str, Callable[[str | None], BackendHarness]] = {
@@ -198,20 +217,119 @@ class FactoryHarness(BackendHarness):
             abandon()
         return await self._make(), self.store
 
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        import inspect
+
+        from botmesh.core.spi import DurableKv
+
+        try:
+            takes_dir = len(inspect.signature(self.factory).parameters) == 1
+        except (TypeError, ValueError):
+            takes_dir = False
+        if inspect.iscoroutinefunction(self.factory):
+            return None
+        made = self.factory(self.workdir) if takes_dir else self.factory()
+        if not isinstance(made, DurableKv):
+            return None
+        return lambda: self.factory(self.workdir) if takes_dir else self.factory()
+
 
 class BackendSpecError(ValueError):
     """A ``--botmesh-backend`` value that names nothing usable."""
 
 
-def resolve(spec: str) -> Callable[[str | None], BackendHarness]:
-    """A harness factory for a built-in name or a ``pkg.module:factory`` path."""
-    if spec in HARNESSES:
-        return HARNESSES[spec]
-    if ":" not in spec:
-        raise BackendSpecError(f"{spec!r} is not a built-in backend ({', '.join(HARNESSES)}) "
-                               "nor a 'pkg.module:factory' path")
+ENTRY_POINT_GROUP = "botmesh_testkit.backends"
+"""Installed distributions register backends by name in this entry-point group."""
+
+HarnessFactory = Callable[[str | None], BackendHarness]
+
+
+class BackendRegistry:
+    """Backends added by name at run time (``pytest_botmesh_register_backends``), beside
+    the built-in ones and the entry-point group."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, HarnessFactory] = {}
+
+    def add(self, name: str, harness_factory: HarnessFactory) -> None:
+        """``harness_factory(workdir)`` returns a :class:`BackendHarness`."""
+        if not name or ":" in name or name in HARNESSES:
+            raise BackendSpecError(f"cannot register backend name {name!r}: it must be non-empty, "
+                                   f"without ':', and not a built-in ({', '.join(HARNESSES)})")
+        if not callable(harness_factory):
+            raise BackendSpecError(f"backend {name!r}: harness factory {harness_factory!r} is not callable")
+        self._factories[name] = harness_factory
+
+    def add_factory(self, name: str, factory: Callable[..., Any]) -> None:
+        """A backend factory as for ``pkg.module:factory`` (see :class:`FactoryHarness`)."""
+        self.add(name, _factory_harness(name, factory))
+
+    def get(self, name: str) -> HarnessFactory | None:
+        return self._factories.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def clear(self) -> None:
+        self._factories.clear()
+
+
+REGISTRY = BackendRegistry()
+"""The process-wide registry that :func:`resolve` consults."""
+
+
+def _factory_harness(name: str, obj: Any) -> HarnessFactory:
+    if isinstance(obj, type) and issubclass(obj, BackendHarness):
+        return lambda workdir: obj(workdir)
+    return lambda workdir: FactoryHarness(name, obj, workdir)
+
+
+def entry_point_backends() -> dict[str, Any]:
+    """Entry points of the group ``botmesh_testkit.backends``, by name (not loaded)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_names() -> list[str]:
+    """Every backend name :func:`resolve` accepts without a dotted path."""
+    return [*HARNESSES, *SERVICE_BACKENDS, *REGISTRY.names(), *sorted(entry_point_backends())]
+
+
+SERVICE_BACKENDS: dict[str, str] = {
+    "postgres": "botmesh_testkit.harness_postgres:provisioned",
+    "redis": "botmesh_testkit.harness_redis:provisioned",
+}
+"""Built-in backends on a server the plugin provisions (``botmesh_testkit.services``)."""
+
+
+def resolve(spec: str) -> HarnessFactory:
+    """A harness factory for a built-in name, a registered name (hook or entry point),
+    or a ``pkg.module:factory`` path."""
     import importlib
 
+    if spec in HARNESSES:
+        return HARNESSES[spec]
+    if spec in SERVICE_BACKENDS:
+        module_name, _, attr = SERVICE_BACKENDS[spec].partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+        except ImportError as exc:
+            raise BackendSpecError(f"{spec!r} needs its driver: pip install 'botmesh-testkit[{spec}]' ({exc})") from None
+    registered = REGISTRY.get(spec)
+    if registered is not None:
+        return registered
+    if ":" not in spec:
+        eps = entry_point_backends()
+        if spec in eps:
+            try:
+                obj = eps[spec].load()
+            except Exception as exc:  # an installed plugin that does not import
+                raise BackendSpecError(f"{spec!r}: entry point {eps[spec].value!r} of group "
+                                       f"{ENTRY_POINT_GROUP!r} failed to load: {exc!r}") from None
+            return _factory_harness(spec, obj)
+        raise BackendSpecError(f"{spec!r} is not a known backend ({', '.join(known_names())}) "
+                               "nor a 'pkg.module:factory' path")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -220,4 +338,4 @@ def resolve(spec: str) -> Callable[[str | None], BackendHarness]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise BackendSpecError(f"{spec!r}: module {module_name!r} has no callable {attr!r}")
-    return lambda workdir: FactoryHarness(spec, factory, workdir)
+    return _factory_harness(spec, factory)

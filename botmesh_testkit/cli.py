@@ -1,9 +1,11 @@
 """``botmesh-testkit``: the command line.
 
-* ``botmesh-testkit run`` — the main job: the crash matrix against the embedded default
-  backend (SQLite) or ``--backend NAME`` (repeatable), printing a summary of cells and
-  guarantees; exit status 1 when a cell failed. ``--cell ID`` reruns one cell (the
-  command a failing cell prints).
+* ``botmesh-testkit run`` — the main job, run through pytest and the plugin: the
+  durability conformance suite, the GUAR scenarios and the crash matrix against the
+  embedded default backend (SQLite) or ``--backend NAME`` (repeatable), printing the
+  plugin's summary of requirement ids held and broken and items passed/failed; exit
+  status 1 when something failed, 2 on bad arguments. ``--cell ID`` reruns one cell (the
+  command a failing cell prints); ``--junitxml PATH`` writes a JUnit report for CI.
 * ``botmesh-testkit points`` — the catalogue of crash points and the spec ids each one
   exercises.
 """
@@ -14,15 +16,13 @@ import argparse
 import logging
 import random
 import sys
-from collections import defaultdict
 
 from botmesh.core.backend import WRITE_OPS
 
 from .backends import HARNESSES, BackendSpecError, resolve
 from .crash import PROVIDER_SEND
-from .matrix import Cell, MatrixResult, Outcome, run_matrix_sync
+from .matrix import Cell
 from .profiles import ProfileError, builtin_names, load_profile
-from .workloads import WORKLOADS
 
 POINT_SPEC: dict[str, tuple[str, ...]] = {
     "inbox.journal": ("INB-1", "INB-4", "INB-8", "GUAR-1", "GUAR-2"),
@@ -57,39 +57,14 @@ def _points(_: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(result: MatrixResult, backends: list[str], profile_line: str) -> str:
-    lines = [profile_line, ""]
-    lines.append(f"{'backend':<10} {'cells':>6} {'passed':>7} {'failed':>7} {'crashed':>8} {'time':>8}")
-    by_backend: dict[str, list[Outcome]] = defaultdict(list)
-    for o in result.outcomes:
-        by_backend[o.cell.backend].append(o)
-    for b in backends:
-        outs = by_backend.get(b, [])
-        failed = sum(not o.passed for o in outs)
-        crashed = sum(o.crashed for o in outs)
-        secs = sum(o.seconds for o in outs)
-        lines.append(f"{b:<10} {len(outs):>6} {len(outs) - failed:>7} {failed:>7} {crashed:>8} {secs:>7.1f}s")
-    exercised: dict[str, int] = defaultdict(int)
-    broken: dict[str, int] = defaultdict(int)
-    for o in result.outcomes:
-        ids = set(WORKLOADS[o.cell.workload].spec_ids)
-        if o.crash_point:
-            ids.update(POINT_SPEC.get(o.crash_point.split(" ")[1], ()))
-        for v in o.violations:
-            ids.update(v.ids)
-            for i in v.ids:
-                broken[i] += 1
-        for i in ids:
-            exercised[i] += 1
-    lines.append("")
-    lines.append("Guarantees exercised (cells) and held:")
-    for i in sorted(exercised, key=lambda s: (s.split("-")[0], int(s.split("-")[1]))):
-        state = f"BROKEN in {broken[i]} cell(s)" if broken[i] else "held"
-        lines.append(f"  {i:<9} {exercised[i]:>5} cells  {state}")
-    return "\n".join(lines)
-
-
 def _run(args: argparse.Namespace) -> int:
+    """The main job, through pytest and the plugin: the conformance suite, the GUAR
+    scenarios and the crash matrix against each backend, then the plugin's summary."""
+    import tempfile
+    from pathlib import Path
+
+    import pytest
+
     backends = args.backend or ["sqlite"]
     for b in backends:
         try:
@@ -102,7 +77,6 @@ def _run(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         print(f"botmesh-testkit: --matrix: {exc}", file=sys.stderr)
         return 2
-    only = None
     if args.cell:
         try:
             only = Cell.parse(args.cell)
@@ -111,33 +85,38 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         backends = [only.backend]
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
-    head = (f"botmesh-testkit run: backend(s) {', '.join(backends)}; matrix {profile.name!r} ({profile.description}); "
-            f"seed {seed}")
-    print(head, flush=True)
-
-    def progress(o: Outcome) -> None:
-        if not o.passed:
-            print(o.report(seed), flush=True)
-        elif not args.quiet:
-            print(".", end="", flush=True)
-
-    result = run_matrix_sync(
-        backends,
-        [only.workload] if only else list(profile.workloads),
-        policies=profile.policies,
-        random_per_workload=profile.random_per_workload,
-        seed=seed,
-        only=only,
-        progress=progress,
-    )
-    print()
-    print(summarize(result, backends, f"Summary (seed {seed}, {result.seconds:.1f}s):"))
-    failed = len(result.failed)
-    print()
-    print(f"{len(result.outcomes) - failed} passed, {failed} failed")
-    if failed:
-        print(f"Rerun one failing cell with the command printed under it; rerun all with --seed {seed}.")
-    return 1 if failed else 0
+    print(f"botmesh-testkit run: backend(s) {', '.join(backends)}; matrix {profile.name!r} ({profile.description}); "
+          f"seed {seed}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="botmesh-run-") as tmp:
+        # an empty configuration of our own: the caller's pytest.ini/pyproject (addopts,
+        # filterwarnings=error ...) must not change what the job does
+        ini = Path(tmp) / "pytest.ini"
+        ini.write_text("[pytest]\n", encoding="utf-8")
+        argv = ["-c", str(ini), "--rootdir", tmp, "-p", "no:cacheprovider", "-q", "--tb=short",
+                *(f"--botmesh-backend={b}" for b in backends), f"--botmesh-matrix={args.matrix}",
+                f"--botmesh-seed={seed}"]
+        if args.cell:
+            argv += [f"--botmesh-cell={args.cell}", "--botmesh-parts=matrix"]
+        elif args.parts:
+            argv.append(f"--botmesh-parts={args.parts}")
+        for folder in args.scenarios or []:
+            argv.append(f"--botmesh-scenarios={folder}")
+        if args.junitxml:
+            argv.append(f"--junitxml={args.junitxml}")
+        if args.jobs:
+            argv += ["-n", str(args.jobs)]
+        if args.require_services:
+            argv.append("--botmesh-require-services")
+        if args.quiet:
+            argv.append("-q")
+        argv.append(tmp)
+        code = int(pytest.main(argv))
+    if code == 0:
+        return 0
+    if code in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED):
+        print(f"Rerun with --seed {seed}; each failure above prints the command that reproduces it.")
+        return 1
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                      help=f"matrix profile: {', '.join(builtin_names())} or a path to a .toml file (default smoke)")
     run.add_argument("--seed", type=int, help="seed of the random cells (printed on every run)")
     run.add_argument("--cell", help="run one cell only: BACKEND/WORKLOAD/POLICY/WHEN:POINT#N")
-    run.add_argument("-q", "--quiet", action="store_true", help="no progress dots")
+    run.add_argument("--parts", metavar="LIST", help="comma-separated parts: suite, scenarios, matrix (default: all)")
+    run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
+    run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
+    run.add_argument("-n", "--jobs", type=int, metavar="N", help="run on N processes (pytest-xdist)")
+    run.add_argument("--require-services", action="store_true",
+                     help="fail when a postgres/redis server cannot be provisioned instead of skipping")
+    run.add_argument("-q", "--quiet", action="store_true", help="less output")
     run.set_defaults(fn=_run)
     points = sub.add_parser("points", help="list the crash points and the spec ids they exercise")
     points.set_defaults(fn=_points)

@@ -23,7 +23,6 @@ backend: every (operation, occurrence) it passed, before and after; plus random 
 
 from __future__ import annotations
 
-import asyncio
 import random
 import shlex
 import tempfile
@@ -31,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+
 
 from .backends import BackendHarness, resolve
 from .workloads import WORKLOADS, Workload, transient
@@ -373,6 +372,3 @@ async def run_matrix(
                     progress(outcome)
     return MatrixResult(seed, outcomes, time.perf_counter() - started)
 
-
-def run_matrix_sync(*args: Any, **kwargs: Any) -> MatrixResult:
-    return asyncio.run(run_matrix(*args, **kwargs))

@@ -4,6 +4,10 @@ violated ids on a broken one, deterministic for a seed."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,9 +90,26 @@ def test_cli(capsys: Any) -> None:
     assert main(["points"]) == 0
     assert "outbox.mark_sent" in capsys.readouterr().out
     assert main(["run", "--backend", "nosuch"]) == 2
-    assert "--backend 'nosuch' is not a built-in backend" in capsys.readouterr().err
-    assert main(["run", "--backend", "memory", "--seed", "5", "-q"]) == 0
-    out = capsys.readouterr().out
-    assert "seed 5" in out and " 0 failed" in out
-    assert main(["run", "--seed", "5", "--cell", "memory/split/resend/after:provider.send#2"]) == 0
-    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert "--backend 'nosuch' is not a known backend" in capsys.readouterr().err
+    assert main(["run", "--matrix", "huge"]) == 2
+    assert "unknown matrix profile 'huge'" in capsys.readouterr().err
+
+
+@pytest.mark.spec("TEST-4")
+def test_cli_run_goes_through_pytest_and_writes_junit(tmp_path: Path) -> None:
+    """``botmesh-testkit run`` runs pytest with the plugin (suite, scenarios, matrix), in
+    a configuration of its own, prints the plugin's summary, and writes JUnit XML."""
+    junit = tmp_path / "report.xml"
+    cmd = [sys.executable, "-m", "botmesh_testkit.cli", "run", "--backend", "memory", "--seed", "5",
+           "--parts", "scenarios", "--junitxml", str(junit)]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "botmesh durability report" in out.stdout and "seed 5" in out.stdout
+    assert "memory: scenarios 10 passed, 0 failed" in out.stdout
+    cases = ET.parse(junit).getroot().iter("testcase")
+    assert len(list(cases)) == 10
+    one = subprocess.run([sys.executable, "-m", "botmesh_testkit.cli", "run", "--seed", "5", "--cell",
+                          "memory/split/resend/after:provider.send#2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "memory: matrix 1 passed, 0 failed" in one.stdout

@@ -6,8 +6,13 @@ package so that a third party certifies its backend in its own repository.
   two ordered indexes, scans, scope and space isolation, atomicity under concurrency,
   lifecycle, survival of a crash (when claimed) and step-by-step agreement with
   :class:`botmesh.core.spi.MemoryKv`, the reference.
+* :mod:`botmesh_testkit.conformance.durability` — :class:`DurabilityConformance`, the
+  suite of the durability backend contract (:class:`botmesh.core.backend.DurabilityBackend`):
+  every INB, OUT, LEASE, SCOPE and OPS requirement the backend contract makes checkable
+  and the declared capabilities make applicable (survival of a crash, several processes
+  on one storage), plus a few end-to-end checks through a ``Bot``.
 
-Binding it takes three lines in a test module::
+Binding the kv suite takes three lines in a test module::
 
     from botmesh_testkit.conformance.kv import DurableKvConformance
 
@@ -20,6 +25,20 @@ Binding it takes three lines in a test module::
 ``DurableKv`` on the **same** storage (the suite opens, closes, and — for the crash test —
 abandons instances itself).
 
+Binding the durability suite takes three lines too::
+
+    from botmesh_testkit.backends import resolve
+    from botmesh_testkit.conformance.durability import DurabilityConformance
+
+    class TestMyBackend(DurabilityConformance):
+        @pytest.fixture
+        def botmesh_harness_factory(self):
+            return resolve("my_pkg.backend:make")   # or: lambda workdir: MyHarness(workdir)
+
+``botmesh_harness_factory`` returns ``factory(workdir) -> BackendHarness`` — exactly what
+:func:`botmesh_testkit.backends.resolve` returns for a built-in name or a
+``pkg.module:factory`` path.
+
 The tests carry ``@pytest.mark.spec(<ids>)``. The testkit's pytest plugin (entry point
 ``botmesh``) registers the ``spec`` marker; a project that runs without it and with
 ``--strict-markers`` registers the marker in its own configuration
@@ -28,6 +47,7 @@ The tests carry ``@pytest.mark.spec(<ids>)``. The testkit's pytest plugin (entry
 
 from __future__ import annotations
 
+from .durability import DurabilityConformance, HarnessFactory
 from .kv import DurableKvConformance, KvFactory
 
-__all__ = ["DurableKvConformance", "KvFactory"]
+__all__ = ["DurabilityConformance", "DurableKvConformance", "HarnessFactory", "KvFactory"]

@@ -1,0 +1,418 @@
+"""Scenarios: recovery stories written as short async functions, run by the pytest
+plugin against every selected backend.
+
+A scenario file is a Python module with functions decorated by :func:`scenario`. Each
+function receives a :class:`Scenario` — a crash world (a channel, a virtual clock, a
+store, successive bot incarnations on one backend) with a few verbs and expectations::
+
+    from botmesh_testkit.scenario import scenario
+
+    @scenario("GUAR-4", policies=["skip", "resend"])
+    async def crash_after_recording_the_send(s):
+        @s.on_message
+        async def echo(ctx):
+            await ctx.reply(f"echo {ctx.text}")
+
+        await s.start(crash_after="outbox.mark_sent")   # "op" or "op#n"
+        await s.receive("c1", "hi", id="m1")             # the bot dies inside
+        s.expect_crashed()
+        await s.restart()                                # same backend, store, instance_id
+        await s.receive("c1", "hi", id="m1")             # the channel redelivers
+        await s.drain()                                  # virtual time until all settled
+        s.expect_delivered(["echo hi"])                  # exactly once
+
+Run a folder of them with ``pytest --botmesh-scenarios=DIR`` (repeatable; ini key
+``botmesh_scenarios``). Each scenario becomes one test item per backend
+(``--botmesh-backend``, else the ini key ``botmesh_backend``, else ``sqlite``) and per
+policy when ``policies`` is given (then ``s.policy`` is it, and it is the bot's
+``outbox.on_ambiguous``). The scenarios shipped in ``botmesh_testkit/scenarios/`` — one
+file per row of the GUAR table — run whenever ``--botmesh-backend`` is given.
+
+A failing expectation raises :class:`ScenarioFailure`; the report names the scenario's
+spec ids, the crash point and the crash points passed, what the channel delivered, the
+events, and the command that reruns the item. ``requires=("survives_crash",)`` skips
+the scenario on backends that do not claim a capability, naming it.
+
+Scenario files are imported as plain modules (their folder is put on ``sys.path`` so
+they may import helpers next to them); pytest's assertion rewriting does not apply, so
+prefer the ``expect_*`` helpers, or give plain ``assert`` statements a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import shlex
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botmesh.core.bot import Bot
+from botmesh.core.records import InboxRecord, OutboxRecord
+from botmesh.core.testing import SimulatedCrash
+
+from .backends import BackendHarness, resolve
+from .matrix import compress
+from .world import World
+
+__all__ = ["Scenario", "ScenarioFailure", "ScenarioSpec", "scenario", "DRAIN_MS"]
+
+DRAIN_MS = 150_000.0
+"""Default virtual time :meth:`Scenario.drain` lets pass: past every default retry and
+backoff budget."""
+
+CAPABILITIES = ("survives_crash", "multi_process", "multi_host", "shared")
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    """What :func:`scenario` attaches to a function."""
+
+    fn: Callable[[Scenario], Awaitable[None]]
+    ids: tuple[str, ...]
+    policies: tuple[str, ...] | None
+    requires: tuple[str, ...]
+    timeout: float
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    @property
+    def doc(self) -> str:
+        return (self.fn.__doc__ or "").strip()
+
+
+def scenario(
+    *spec_ids: str,
+    policies: Sequence[str] | None = None,
+    requires: Sequence[str] = (),
+    timeout: float = 60.0,
+) -> Callable[[Callable[[Scenario], Awaitable[None]]], Callable[[Scenario], Awaitable[None]]]:
+    """Mark ``async def f(s: Scenario)`` as a scenario checking ``spec_ids``.
+
+    ``policies`` — run once per ``outbox.on_ambiguous`` policy (``"skip"``,
+    ``"resend"``). ``requires`` — capabilities the backend must claim (else skipped).
+    ``timeout`` — real seconds before the run is failed (a backend that hangs).
+    """
+    if not spec_ids or not all(isinstance(i, str) and "-" in i for i in spec_ids):
+        raise ValueError(f"@scenario needs spec ids like 'GUAR-3', got {spec_ids!r}")
+    bad = [p for p in policies or () if p not in ("skip", "resend")]
+    if bad:
+        raise ValueError(f"@scenario policies: {bad!r}; choose from 'skip', 'resend'")
+    unknown = [c for c in requires if c not in CAPABILITIES]
+    if unknown:
+        raise ValueError(f"@scenario requires: unknown capability {unknown!r}; known: {', '.join(CAPABILITIES)}")
+
+    def mark(fn: Callable[[Scenario], Awaitable[None]]) -> Callable[[Scenario], Awaitable[None]]:
+        if not asyncio.iscoroutinefunction(fn):
+            raise TypeError(f"@scenario: {fn.__qualname__} must be an 'async def' function")
+        fn.__botmesh_scenario__ = ScenarioSpec(  # type: ignore[attr-defined]
+            fn, tuple(spec_ids), tuple(policies) if policies else None, tuple(requires), float(timeout))
+        return fn
+
+    return mark
+
+
+class ScenarioFailure(AssertionError):
+    """An expectation of a scenario did not hold; the message starts with its spec ids."""
+
+
+def _point(text: str) -> tuple[str, int]:
+    op, _, nth = text.partition("#")
+    try:
+        return op, int(nth) if nth else 1
+    except ValueError:
+        raise ValueError(f"crash point {text!r}: expected 'op' or 'op#n' (e.g. 'outbox.mark_sent#2')") from None
+
+
+class Scenario:
+    """The world a scenario runs in. See the module docstring for an example."""
+
+    def __init__(self, harness: BackendHarness, *, backend: str, ids: Sequence[str], policy: str | None = None,
+                 instance_id: str = "i1", seed: int = 0) -> None:
+        self.harness = harness
+        self.backend = backend
+        self.ids = tuple(ids)
+        self.policy = policy
+        self._setups: list[Callable[[Bot], None]] = []
+        durability: dict[str, Any] = {}
+        if policy is not None:
+            durability["outbox"] = {"on_ambiguous": policy}
+        self.world = World(harness, setup=self._setup_bot, instance_id=instance_id, durability=durability, seed=seed)
+        self.last_crash: str | None = None
+        self.last_history: list[str] = []
+
+    # -- what the bot does ---------------------------------------------------------------
+    def _setup_bot(self, bot: Bot) -> None:
+        for fn in self._setups:
+            fn(bot)
+
+    def setup(self, fn: Callable[[Bot], None]) -> Callable[[Bot], None]:
+        """Decorator: ``fn(bot)`` registers handlers; it runs for every incarnation."""
+        self._setups.append(fn)
+        return fn
+
+    def on_message(self, handler: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        """Decorator: the handler of every message no other pattern takes."""
+        self._setups.append(lambda bot: bot.otherwise(handler))
+        return handler
+
+    def when(self, pattern: Any, handler: Any) -> None:
+        """``bot.when(pattern, handler)`` on every incarnation (a handler or a Flow)."""
+        self._setups.append(lambda bot: bot.when(pattern, handler))
+
+    def configure(self, **durability: Any) -> None:
+        """Extra ``durability=`` options for every incarnation (``inbox={...}``...)."""
+        self.world.options.update(durability)
+
+    @staticmethod
+    def die(reason: str = "the handler killed the process") -> SimulatedCrash:
+        """``raise s.die()`` inside a handler: the process dies there."""
+        return SimulatedCrash(reason)
+
+    # -- verbs ---------------------------------------------------------------------------
+    async def start(self, *, crash_before: str | None = None, crash_after: str | None = None,
+                    crash_at: int | None = None, **durability: Any) -> Bot:
+        """Start the next incarnation; arm at most one crash point (``"op"`` or
+        ``"op#n"``, see ``botmesh-testkit points``; ``crash_at=n``: the n-th point)."""
+        armed = [x for x in (crash_before, crash_after, crash_at) if x is not None]
+        if len(armed) > 1:
+            raise ValueError("start(): give at most one of crash_before, crash_after, crash_at")
+        if self.world.bot is not None:
+            await self.world.bot.abandon()
+        bot = await self.world.start(crash=bool(armed), **durability)
+        cb = self.world.crashable
+        if cb is not None:
+            if crash_before is not None:
+                cb.crash_before(*_point(crash_before))
+            elif crash_after is not None:
+                cb.crash_after(*_point(crash_after))
+            elif crash_at is not None:
+                cb.crash_at(crash_at)
+        return bot
+
+    async def restart(self, **kwargs: Any) -> Bot:
+        """The current bot dies (if it has not already); the next one starts on the same
+        backend and store with the same ``instance_id``. Takes :meth:`start`'s
+        arguments."""
+        self._remember_crash()
+        return await self.start(**kwargs)
+
+    async def receive(self, chat_id: str, text: str = "", *, id: str, **kw: Any) -> bool:
+        """The channel delivers an inbound message; False when the bot died taking it."""
+        ok = await self.world.receive(chat_id, text, id=id, **kw)
+        self._remember_crash()
+        return ok
+
+    async def drain(self, within_ms: float = DRAIN_MS) -> None:
+        """Let virtual time run until every record is settled (or ``within_ms``)."""
+        await self.world.drain(within_ms)
+        self._remember_crash()
+
+    async def advance(self, ms: float) -> None:
+        """Let ``ms`` of virtual time pass."""
+        await self.world.clock.advance(ms)
+
+    def _remember_crash(self) -> None:
+        cb = self.world.crashable
+        if cb is not None and cb.crashed:
+            self.last_crash = cb.crash_point
+            self.last_history = list(cb.history)
+
+    # -- what happened -------------------------------------------------------------------
+    @property
+    def bot(self) -> Bot:
+        assert self.world.bot is not None, "call await s.start() first"
+        return self.world.bot
+
+    @property
+    def crashed(self) -> bool:
+        """Whether the current incarnation died at its armed crash point."""
+        return self.world.crashed
+
+    @property
+    def capabilities(self) -> Any:
+        return self.harness.capabilities
+
+    def delivered(self, chat_id: str | None = None) -> list[str]:
+        """Texts the channel accepted, in order (of one chat when given)."""
+        return self.world.channel.texts(chat_id)
+
+    async def inbox(self, state: str | None = None) -> list[InboxRecord]:
+        d = self.bot.durability
+        assert d is not None
+        return list(await d.inbox.list(state))
+
+    async def outbox(self, state: str | None = None) -> list[OutboxRecord]:
+        d = self.bot.durability
+        assert d is not None
+        return list(await d.outbox.list(state))
+
+    def metrics(self) -> dict[str, int]:
+        d = self.bot.durability
+        assert d is not None
+        return d.metrics()
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Payloads of ``error``, ``durability:dead`` or ``durability:ambiguous`` events of
+        every incarnation."""
+        return self.world.named(name)
+
+    # -- expectations --------------------------------------------------------------------
+    def fail(self, message: str) -> ScenarioFailure:
+        return ScenarioFailure(f"[{', '.join(self.ids)}] {message}")
+
+    def expect(self, condition: object, message: str) -> None:
+        """Fail with ``message`` (prefixed by the scenario's ids) unless ``condition``."""
+        if not condition:
+            raise self.fail(message)
+
+    def expect_crashed(self) -> None:
+        self.expect(self.crashed or self.last_crash, "the armed crash point was never reached: the scenario "
+                    "did not test what it says (check the point with `botmesh-testkit points`)")
+
+    def expect_delivered(self, texts: Sequence[str], chat_id: str | None = None) -> None:
+        """The channel received exactly ``texts``, in this order (each exactly once
+        unless listed twice)."""
+        got = self.delivered(chat_id)
+        where = f" to {chat_id}" if chat_id else ""
+        self.expect(got == list(texts), f"delivered{where} {got!r}, expected exactly {list(texts)!r}")
+
+    async def expect_states(self, inbox: dict[str, str] | None = None, outbox: dict[str, str] | None = None) -> None:
+        """The journals hold these records in these states (``{id_or_key: state}``)."""
+        if inbox is not None:
+            got = {r.id: r.state for r in await self.inbox() if r.id in inbox}
+            self.expect(got == inbox, f"inbox states {got!r}, expected {inbox!r}")
+        if outbox is not None:
+            got = {r.key: r.state for r in await self.outbox() if r.key in outbox}
+            self.expect(got == outbox, f"outbox states {got!r}, expected {outbox!r}")
+
+    def story(self) -> list[str]:
+        """What happened, for a failure report."""
+        lines = [f"crash: {self.last_crash or 'none'}"]
+        if self.last_history:
+            lines.append(f"crash points passed before it: {compress(self.last_history)}")
+        lines.append(f"delivered: {[(m.chat_id, m.content.get('text')) for m in self.world.channel.sent]}")
+        if self.world.events:
+            lines.append(f"events: {self.world.events}")
+        lines.append(f"incarnations: {self.world.incarnations}")
+        return lines
+
+
+# --------------------------------------------------------------------------------------
+# collection (used by the pytest plugin)
+# --------------------------------------------------------------------------------------
+SHIPPED_DIR = Path(__file__).parent / "scenarios"
+
+
+def scenario_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+
+
+def load_module(path: Path) -> Any:
+    """Import a scenario file: shipped ones as package modules, others by path."""
+    if path.parent == SHIPPED_DIR:
+        return importlib.import_module(f"botmesh_testkit.scenarios.{path.stem}")
+    folder = str(path.parent.resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    digest = hashlib.sha1(folder.encode()).hexdigest()[:8]
+    name = f"botmesh_scenario_{digest}_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def scenarios_of(module: Any) -> list[ScenarioSpec]:
+    return [obj.__botmesh_scenario__ for obj in vars(module).values() if hasattr(obj, "__botmesh_scenario__")]
+
+
+class ScenarioFile(pytest.File):
+    """A scenario file; its items are ``scenario[backend(-policy)]``."""
+
+    def __init__(self, *, backends: Sequence[str], rerun: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backends = list(backends)
+        self.rerun = rerun
+
+    def collect(self) -> Iterator[pytest.Item]:
+        try:
+            module = load_module(self.path)
+        except Exception as exc:
+            raise self.CollectError(f"scenario file {self.path} failed to import: {exc!r}") from exc
+        found = scenarios_of(module)
+        if not found:
+            raise self.CollectError(f"scenario file {self.path} defines no @scenario function")
+        for spec in found:
+            for backend in self.backends:
+                for policy in spec.policies or (None,):
+                    suffix = backend if policy is None else f"{backend}-{policy}"
+                    yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}]", spec=spec,
+                                                   backend=backend, policy=policy)
+
+
+class ScenarioItem(pytest.Item):
+    """One scenario on one backend (and policy)."""
+
+    def __init__(self, *, spec: ScenarioSpec, backend: str, policy: str | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.backend = backend
+        self.policy = policy
+        self.scenario: Scenario | None = None
+        self.add_marker(pytest.mark.spec(*spec.ids))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        spec = self.spec
+        with tempfile.TemporaryDirectory(prefix="botmesh-scenario-") as tmp:
+            harness = resolve(self.backend)(tmp)
+            missing = [c for c in spec.requires if not getattr(harness.capabilities, c, False)]
+            if missing:
+                pytest.skip(f"capability not claimed: {', '.join(missing)} (backend {self.backend})")
+            self.scenario = Scenario(harness, backend=self.backend, ids=spec.ids, policy=self.policy)
+
+            async def run() -> None:
+                assert self.scenario is not None
+                try:
+                    await asyncio.wait_for(spec.fn(self.scenario), spec.timeout)
+                except TimeoutError:
+                    raise self.scenario.fail(f"did not finish within {spec.timeout:g} real seconds "
+                                             "(a backend that hangs or never settles)") from None
+                finally:
+                    await self.scenario.world.close()
+
+            asyncio.run(run())
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        head = f"scenario {self.path.name}::{self.spec.name} on {self.backend}"
+        if self.policy:
+            head += f" (on_ambiguous={self.policy})"
+        lines = [f"{head} checks {', '.join(self.spec.ids)}"]
+        if isinstance(excinfo.value, AssertionError):
+            lines.append(f"  FAILED: {excinfo.value}")
+        else:
+            lines.append(str(super().repr_failure(excinfo)))
+        if self.scenario is not None:
+            lines += [f"  {line}" for line in self.scenario.story()]
+        lines.append(f"  reproduce: {self.parent.rerun} -k {shlex.quote(self.name)}")  # type: ignore[union-attr]
+        return "\n".join(lines)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"scenario {self.spec.name} [{self.backend}]"
