@@ -1,0 +1,150 @@
+"""The PostgreSQL backend harness: :class:`PostgresHarness` opens
+:class:`~botmesh.postgres_store.PostgresDurability` on a server given by URL, "kills the
+process" holding it and opens it again (TEST-3).
+
+Storage: one table per workdir. The ``table_prefix`` is derived deterministically from
+the absolute workdir path (``"bm_" + sha1(path)[:10] + "_"``), so the same workdir means
+the same storage (a restarted incarnation, or another harness on the same workdir, finds
+the records) and two workdirs never share a table. The table lives where the URL's
+connections put it: its ``search_path`` (``options=-c search_path=...``) decides the
+schema, so a provisioning step may give each test run its own schema on top.
+
+The death of a process is simulated by :meth:`PostgresDurability.abandon
+<botmesh.postgres_store.PostgresDurability.abandon>`: the old incarnation's pool loses its
+connections at once (sockets closed, nothing sent, no clean shutdown of anything) — what
+the server sees when a process dies; whatever was committed stays. The bot's store is a
+:class:`~botmesh.core.store.MemoryStore` kept across restarts (it stands for a persistent
+store), as for the other service harnesses.
+
+The backend handed out is not started: the bot starts it (``bot.start()``), which creates
+the table when missing. :meth:`PostgresHarness.close` drops the table and releases every
+incarnation's connections; it may run on another event loop than the test's (a pytest
+fixture finalizer with ``asyncio.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+from botmesh.core.backend import DurabilityBackend
+from botmesh.core.spi import Capabilities, DurableKv
+from botmesh.core.store import MemoryStore, Store
+
+from .backends import BackendHarness
+
+__all__ = ["PostgresHarness", "table_prefix_for"]
+
+
+def table_prefix_for(workdir: str) -> str:
+    """The ``table_prefix`` of ``workdir``: ``"bm_" + sha1(absolute path)[:10] + "_"``."""
+    digest = hashlib.sha1(os.path.abspath(workdir).encode("utf-8"), usedforsecurity=False).hexdigest()
+    return f"bm_{digest[:10]}_"
+
+
+class PostgresHarness(BackendHarness):
+    """``PostgresDurability`` on the server at ``url``, one table per workdir.
+
+    Each incarnation gets its own small pool (``min_size`` 1, ``max_size`` 4 by default).
+    ``reopen()`` abandons the previous incarnation's backend (its connections dropped, no
+    clean shutdown) and returns a new one on the same table; the store is kept.
+    """
+
+    name = "postgres"
+
+    def __init__(self, workdir: str | None = None, *, url: str, min_size: int = 1, max_size: int = 4) -> None:
+        super().__init__(workdir)
+        self.url = url
+        self.min_size = min_size
+        self.max_size = max_size
+        self.table_prefix = table_prefix_for(self.workdir)
+        self.backend: Any = None
+        self.backends: list[Any] = []
+        self.store: Store = MemoryStore()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(survives_crash=True, multi_process=True, multi_host=True, shared=True)
+
+    def _make(self) -> Any:
+        from botmesh.postgres_store import PostgresDurability
+
+        backend = PostgresDurability(
+            connection_string=self.url,
+            table_prefix=self.table_prefix,
+            min_size=self.min_size,
+            max_size=self.max_size,
+        )
+        self.backends.append(backend)
+        self.backend = backend
+        return backend
+
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        """New, unopened :class:`~botmesh.postgres_store.PostgresKv` instances on this
+        harness's table (for the ``DurableKv`` conformance suite); :meth:`close` drops the
+        table they used too. Each kv has a pool of its own: close it (or ``abandon()``
+        it) on the loop that opened it."""
+        from botmesh.postgres_store import PostgresKv
+
+        return lambda: PostgresKv(
+            connection_string=self.url,
+            table_prefix=self.table_prefix,
+            min_size=self.min_size,
+            max_size=self.max_size,
+        )
+
+    async def open(self) -> tuple[DurabilityBackend, Store]:
+        self.store = MemoryStore()
+        backend: DurabilityBackend = self._make()
+        return backend, self.store
+
+    async def reopen(self) -> tuple[DurabilityBackend, Store]:
+        if self.backend is not None:
+            await self._abandon(self.backend)
+        backend: DurabilityBackend = self._make()
+        return backend, self.store
+
+    async def close(self) -> None:
+        """Drop every incarnation's connections and the table."""
+        schema = next((b.kv.schema for b in self.backends if b.kv.schema is not None), None)
+        for backend in self.backends:
+            await self._abandon(backend)
+        self.backends.clear()
+        self.backend = None
+        await self.drop_table(schema)
+
+    async def drop_table(self, schema: str | None = None) -> None:
+        """``DROP TABLE IF EXISTS`` the harness's table (in ``schema``, else where the URL's
+        ``search_path`` finds it), on a connection of its own."""
+        import psycopg
+        from psycopg import sql
+
+        table = f"{self.table_prefix}durable"
+        name = sql.Identifier(table) if schema is None else sql.Identifier(schema, table)
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+            await conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name))
+
+    @staticmethod
+    async def _abandon(backend: Any) -> None:
+        """The simulated death: connections dropped now; the pool's tasks stopped too when
+        they belong to the running loop."""
+        task = backend.abandon()
+        if task is not None and task.get_loop() is asyncio.get_running_loop():
+            await task
+
+
+def provisioned(workdir: str | None = None) -> PostgresHarness:
+    """The harness of the built-in backend name ``postgres``: a table per workdir on the
+    server of ``$BOTMESH_POSTGRES_URL``, which the pytest plugin sets to a database of its
+    own on the server it provisioned (``--botmesh-postgres-url``, the environment, or a
+    private server; :mod:`botmesh_testkit.services`)."""
+    from .services import POSTGRES_URL_ENV
+
+    url = os.environ.get(POSTGRES_URL_ENV)
+    if not url:
+        raise RuntimeError(f"backend 'postgres' needs a server: set {POSTGRES_URL_ENV}, or run it through pytest "
+                           "(the plugin provisions one: --botmesh-postgres-url, else a private server)")
+    return PostgresHarness(workdir, url=url)
