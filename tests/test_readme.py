@@ -31,3 +31,18 @@ def test_ci_runs_the_readme_test_command() -> None:
     commands = re.findall(r"```sh\n(.*?)\n```", README, re.S)
     assert len(commands) >= 2
     assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+@pytest.mark.spec("GUAR-4", "TEST-3")
+def test_the_custom_scenario_example_runs(tmp_path: Path) -> None:
+    block = re.search(r"### Scenarios of your own\n\n```python\n(.*?)```", README, re.S)
+    assert block is not None, "README lost its scenario example"
+    code = block.group(1)
+    assert len([line for line in code.splitlines() if line.strip()]) < 25
+    (tmp_path / "stories").mkdir()
+    (tmp_path / "stories" / "echo.py").write_text(code, encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--botmesh-scenarios=stories",
+                          "--botmesh-backend=sqlite", "--botmesh-parts=scenarios", "-q"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sqlite: scenarios 12 passed, 0 failed" in out.stdout, out.stdout
