@@ -1,0 +1,491 @@
+"""Real child processes killed with SIGKILL (and frozen with SIGSTOP): kill loops per
+backend and policy, the poison message (GUAR-7), replica failover and fencing (REPL,
+LEASE-2), a backend that acknowledges before its write is durable (it must fail), the
+judge on hand-made histories, and the pytest fixture/marker as a user runs them.
+
+Every test checks with psutil that no child it started is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from typing import Any
+
+import psutil
+import pytest
+
+from botmesh.core.errors import BackendUnavailableError
+from botmesh.core.file_backend import FileKv
+from botmesh.core.records import InboxRecord, OutboxRecord
+from botmesh.core.spi import KvDurability
+from botmesh.sqlite_store import SQLiteKv
+from botmesh_testkit import kill
+from botmesh_testkit.kill import Delivery, Event, Incarnation, KillLoop, KillResult, Mark, Replicas, judge, replies
+
+pytest_plugins = ["pytester"]
+
+spec = pytest.mark.spec
+KILLS = 15
+MESSAGES = 30
+
+
+def no_children_left(*pids_sources: Any) -> None:
+    """Every child of these runs is gone (psutil), and none is among our descendants."""
+    pids: set[int] = set()
+    for src in pids_sources:
+        runs = src.runs if isinstance(src, KillLoop) else [src.run]
+        for run in runs:
+            assert run.stray_pids() == []
+            for inc in run.incarnations:
+                assert not inc.alive
+                pids.add(inc.pid)
+    descendants = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert not pids & descendants, f"children still running: {pids & descendants}"
+
+
+def backend_spec(name: str, tmp: Any) -> tuple[Any, ...]:
+    if name == "sqlite":
+        return ("sqlite", str(tmp / "bot.db"))
+    if name == "file+log":
+        return ("file", str(tmp / "journal.json"), True)
+    return ("file", str(tmp / "journal.json"), False)
+
+
+def echo(prefix: str, replies_per_message: int = 2) -> Any:
+    """A handler closure (pickled into the child by dill)."""
+
+    async def handler(ctx: Any) -> None:
+        for i in range(1, replies_per_message + 1):
+            await ctx.reply(f"{prefix} {ctx.text} #{i}")
+
+    return handler
+
+
+def check_kill_result(result: KillResult, policy: str, kills: int) -> None:
+    print(result.report())
+    result.assert_ok()
+    assert len(result.kills) == kills
+    assert result.acked == result.messages
+    assert set(result.inbox_states) == {"done"}
+    counts = Counter(d.key for d in result.run.ledger())
+    _, outbox = result.run.journal()
+    if policy == "skip":
+        assert max(counts.values()) == 1  # never a duplicate
+        missing = [r.key for r in outbox if counts[r.key] == 0]
+        assert all(r.state == "unknown" for r in outbox if r.key in missing)  # each loss is an unknown record
+        assert len(missing) == result.accounting.loss_count
+    else:
+        assert set(result.outbox_states) == {"sent"}  # never unknown
+        assert all(counts[r.key] >= 1 for r in outbox)  # never a loss
+        assert sum(counts.values()) - len(outbox) == result.accounting.duplicate_count
+    # every kill really happened to a distinct process, and each pid is gone
+    killed = [i for i in result.run.incarnations if i.end == "killed"]
+    assert len(killed) == kills and len({i.pid for i in killed}) == kills
+    assert all(i.exitcode == -signal.SIGKILL for i in killed)
+
+
+# -- kill loops ----------------------------------------------------------------------------
+@pytest.mark.slow
+@spec("TEST-4", "GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "OUT-14", "INB-3", "LEASE-4", "BACK-4")
+@pytest.mark.parametrize("policy", ["skip", "resend"])
+@pytest.mark.parametrize("backend", ["file+log", "sqlite"])
+def test_kill_loop(backend: str, policy: str, tmp_path: Any) -> None:
+    """KILLS SIGKILLs at seeded markers and delays; every admitted inbound done, skip
+    never duplicates (each loss an unknown record), resend never loses (each duplicate an
+    ambiguous event)."""
+    loop = KillLoop(backend_spec(backend, tmp_path), echo("hi"), messages=MESSAGES, kills=KILLS,
+                    seed=11 if policy == "skip" else 12, on_ambiguous=policy, workdir=str(tmp_path))
+    result = loop.run()
+    check_kill_result(result, policy, KILLS)
+    no_children_left(loop)
+
+
+@spec("TEST-4", "GUAR-2", "GUAR-3", "BACK-6")
+async def test_kill_loop_file_snapshot_from_an_async_test(tmp_path: Any) -> None:
+    """The snapshot-only file backend; run() called from inside a running event loop (the
+    final journal is then read in a thread)."""
+    loop = KillLoop(backend_spec("file", tmp_path), replies(1), messages=12, kills=8, seed=3, workdir=str(tmp_path))
+    result = loop.run()
+    check_kill_result(result, "skip", 8)
+    result2 = await KillLoop(backend_spec("file", tmp_path / "again"), replies(1), messages=4, kills=2, seed=4,
+                             workdir=str(tmp_path / "w2"), oracle=False).arun()
+    result2.assert_ok()
+    no_children_left(loop)
+
+
+@spec("TEST-4", "OUT-14")
+def test_kill_points_cover_the_ambiguity_window(tmp_path: Any) -> None:
+    """Kills land at journal writes, sends and handlers; the report prints kills,
+    messages, deliveries, duplicates, losses and how each was accounted for."""
+    loop = KillLoop(backend_spec("sqlite", tmp_path), replies(2), messages=20, kills=12, seed=5,
+                    on_ambiguous="resend", workdir=str(tmp_path), marker_share=1.0)
+    result = loop.run()
+    report = result.report()
+    print(report)
+    result.assert_ok()
+    ops = {k.point.split(" ", 2)[1] for k in result.kills if k.mode == "marker"}
+    assert len(ops) >= 3, ops
+    for word in ("kills: 12", "messages: 20", "deliveries:", "duplicates:", "losses:", "kill points:"):
+        assert word in report
+    assert result.ready_ms(), "kill -> ready was measured"
+    no_children_left(loop)
+
+
+@spec("TEST-4", "OUT-7", "RETRY-1")
+def test_kill_loop_with_a_flaky_channel(tmp_path: Any) -> None:
+    """A quarter of the sends fail (retryable) besides the kills: retries with backoff
+    and kills mix, nothing is lost or duplicated beyond OUT-14."""
+    loop = KillLoop(backend_spec("sqlite", tmp_path), replies(2), messages=12, kills=6, seed=8, fail_rate=0.25,
+                    workdir=str(tmp_path))
+    result = loop.run()
+    print(result.report())
+    result.assert_ok()
+    raised = [m for i in result.run.incarnations for m in i.markers if m.op == "provider.send" and m.when == "raised"]
+    assert raised
+    no_children_left(loop)
+
+
+@spec("TEST-4", "INB-3")
+def test_a_run_that_never_settles_fails_at_its_deadline(tmp_path: Any) -> None:
+    """A handler that never returns: the last child is killed at the drain deadline and
+    the result names what is left, instead of hanging."""
+
+    async def stuck(ctx: Any) -> None:
+        if ctx.text == "stuck":
+            await asyncio.sleep(3600)
+        await ctx.reply("ok")
+
+    loop = KillLoop(backend_spec("sqlite", tmp_path), stuck, messages=["fine", "stuck"], kills=1, seed=1,
+                    workdir=str(tmp_path), oracle=False, drain_timeout=2.0)
+    result = loop.run()
+    report = result.report()
+    print(report)
+    assert not result.passed and {"INB-3", "INB-1"} <= result.violated_ids
+    assert "did not settle in time: unacknowledged ['m2']" in report
+    assert result.seconds < 15
+    no_children_left(loop)
+
+
+# -- poison message (GUAR-7, INB-7) ----------------------------------------------------------
+def poison(word: str) -> Any:
+    async def handler(ctx: Any) -> None:
+        if ctx.text == word:
+            os.kill(os.getpid(), signal.SIGKILL)  # a real death, on every execution
+        await ctx.reply(f"ok {ctx.text}")
+
+    return handler
+
+
+@spec("GUAR-7", "INB-7", "INB-3", "OPS-1")
+@pytest.mark.parametrize("backend", ["sqlite", "file+log"])
+def test_poison_message_goes_to_the_dlq_after_max_attempts_real_deaths(backend: str, tmp_path: Any) -> None:
+    messages = [("p1", "c1", "before"), ("p2", "c1", "poison!"), ("p3", "c2", "after 1"), ("p4", "c1", "after 2")]
+    loop = KillLoop(backend_spec(backend, tmp_path), poison("poison!"), messages=messages, kills=0, max_attempts=3,
+                    workdir=str(tmp_path), oracle=False)
+    result = loop.run()
+    print(result.report())
+    result.assert_ok()
+    run = result.run
+    died = [i for i in run.incarnations if i.end == "died"]
+    assert len(died) == 3 and all(i.exitcode == -signal.SIGKILL for i in died)
+    assert result.inbox_states == {"done": 3, "dead": 1}
+    inbox, _ = run.journal()
+    dead = {r.id: r for r in inbox if r.state == "dead"}
+    assert list(dead) == ["p2"] and "3 charged executions never finished" in (dead["p2"].error or "")
+    # the start after the third death put it in the DLQ and then ran normally
+    last = run.incarnations[-1]
+    assert last.end == "stopped"
+    assert any(m.op == "inbox.kill" and m.ident == "p2" and m.when == "after" and m.info["ok"] for m in last.markers)
+    assert [e.payload["id"] for e in run.events if e.name == "durability:dead"] == ["p2"]
+    texts = sorted(d.text for d in run.ledger())
+    assert texts == ["ok after 1", "ok after 2", "ok before"]
+    assert "dead: p2: in the DLQ after 3 unfinished execution(s)" in result.report()
+    no_children_left(loop)
+
+
+# -- replicas (REPL-1..3, LEASE-2) -------------------------------------------------------------
+def slow_on_a() -> Any:
+    async def handler(ctx: Any) -> None:
+        if ctx.text == "slow" and kill.child().name == "a":
+            kill.hold(1.0)  # replica a blocks here (no write in flight): the parent freezes it at this marker
+        await ctx.reply(f"done {ctx.text}")
+
+    return handler
+
+
+@spec("REPL-1", "REPL-3", "LEASE-2", "LEASE-1")
+def test_frozen_replica_loses_its_lease_and_its_completion_is_refused(tmp_path: Any) -> None:
+    lease_ms = 500
+    with Replicas(backend_spec("sqlite", tmp_path), slow_on_a(), workdir=str(tmp_path), lease_ms=lease_ms) as r:
+        a = r.start("a")
+        r.start("b")
+        r.feed("a", [("m1", "c1", "slow"), ("m2", "c2", "fast")])
+        journaled = r.wait_marker("a", lambda m: m.op == "inbox.journal" and m.ident == "m1" and m.when == "after")
+        r.wait_marker("a", lambda m: m.op == "mark" and m.ident == "hold")
+        r.freeze("a")
+        assert psutil.Process(a.pid).status() == psutil.STATUS_STOPPED  # really frozen past lease_ms
+        took = r.wait_marker("b", lambda m: m.op == "inbox.claim" and m.ident == "m1" and m.when == "after"
+                             and m.info.get("claimed") is not None)
+        assert took.info["claimed"] > journaled.info["token"]  # a larger fencing token
+        assert (took.t - journaled.t) * 1000 >= lease_ms - 50  # only once the lease expired
+        r.wait_marker("b", lambda m: m.op == "inbox.complete" and m.ident == "m1" and m.when == "after")
+        r.thaw("a")
+        refused = r.wait_marker("a", lambda m: m.op == "inbox.complete" and m.ident == "m1" and m.when == "after")
+        assert refused.info == {"token": journaled.info["token"], "ok": False}
+        metrics = r.metrics("a")
+        assert metrics["stale_leases"] >= 1 and metrics["outbox_deduped"] == 1
+        assert r.metrics("b")["stale_leases"] == 0
+        r.wait_acked(["m1", "m2"])
+        r.drain("b")
+        result = r.finish()
+    print(result.report())
+    result.assert_ok()
+    delivered = [(d.key, d.name) for d in result.run.ledger()]
+    assert sorted(delivered) == [("m1:1", "b"), ("m2:1", "a")]  # nothing delivered twice
+    no_children_left(r)
+
+
+@spec("REPL-1", "REPL-3", "LEASE-2", "OUT-14", "GUAR-3")
+@pytest.mark.parametrize("policy", ["skip", "resend"])
+def test_killed_replica_work_is_finished_by_the_other(policy: str, tmp_path: Any) -> None:
+    """a dies right after the channel accepted its second reply (marker 31: two
+    messages' markers in, the provider call of reply 2 returned); b takes over every
+    lease a held once it expires, resolves the send as ambiguous, and finishes."""
+    msgs = [(f"m{i}", f"c{i % 4}", f"msg {i}") for i in range(1, 13)]
+    with Replicas(backend_spec("sqlite", tmp_path), replies(2), workdir=str(tmp_path), lease_ms=400,
+                  on_ambiguous=policy) as r:
+        r.start("a", stop_at=31)
+        r.start("b")
+        r.feed("a", [m for m in msgs if m[1] in ("c0", "c2")])
+        r.feed("b", [m for m in msgs if m[1] in ("c1", "c3")])
+        frozen = r.wait_frozen("a")
+        assert (frozen.when, frozen.op) == ("after", "provider.send")
+        a = r.child("a")
+        r.kill("a")
+        assert not psutil.pid_exists(a.pid) and a.exitcode == -signal.SIGKILL
+        r.redeliver("b")  # the channel redelivers what a never acknowledged
+        r.drain("b")
+        result = r.finish()
+    print(result.report())
+    result.assert_ok()
+    assert result.inbox_states == {"done": 12}
+    key = frozen.ident
+    amb = [e for e in result.run.events if e.name == "durability:ambiguous"]
+    assert [e.payload["key"] for e in amb] == [key] and amb[0].n == r.child("b").n
+    counts = Counter(d.key for d in result.run.ledger())
+    assert counts[key] == (1 if policy == "skip" else 2)
+    assert result.outbox_states == ({"sent": 23, "unknown": 1} if policy == "skip" else {"sent": 24})
+    no_children_left(r)
+
+
+# -- a backend that acknowledges before its write is durable --------------------------------------
+class LazyFileKv(FileKv):
+    """BROKEN ON PURPOSE: acknowledges every write at once but writes the snapshot only
+    every ``every``-th write (and at close). A SIGKILL loses the writes since the last
+    flush although they were acknowledged."""
+
+    def __init__(self, path: str, every: int = 8) -> None:
+        super().__init__(path, fsync=False)
+        self.every = every
+        self.unflushed = 0
+
+    def _commit(self, scope: str, space: str, key: str, entry: Any, version: int) -> None:
+        space_map = self._records.setdefault((scope, space), {})
+        if entry is None:
+            space_map.pop(key, None)
+        else:
+            space_map[key] = entry
+        self.unflushed += 1
+        if self.unflushed >= self.every:
+            self._write_snapshot(self._records, self._seq)
+            self.unflushed = 0
+
+    async def close(self) -> None:
+        if self.is_open and self.unflushed:
+            self._write_snapshot(self._records, self._seq)
+        await super().close()
+
+
+def lazy_file(path: str) -> LazyFileKv:
+    return LazyFileKv(path)
+
+
+@pytest.mark.slow
+@spec("TEST-4", "GUAR-1", "OUT-2", "BACK-7")
+def test_a_backend_that_acknowledges_before_durable_fails_the_kill_loop(tmp_path: Any) -> None:
+    loop = KillLoop(("factory", lazy_file, str(tmp_path / "lazy.json")), echo("hi"), messages=20, kills=10, seed=0,
+                    workdir=str(tmp_path), marker_share=1.0)
+    result = loop.run()
+    report = result.report()
+    print(report)
+    assert not result.passed
+    assert result.violated_ids & {"GUAR-1", "INB-1", "OUT-1", "OUT-2"}, result.violated_ids
+    assert "violated [" in report and "seed: 0" in report
+    assert "reproduce: " in report and "test_kill_loops.py::" in report and "lazy_file" in report
+    with pytest.raises(AssertionError, match=r"violated \["):
+        result.assert_ok()
+    no_children_left(loop)
+
+
+class RefusesFirstJournal(KvDurability):
+    """Refuses the first journal write of each inbound in each process (the store is down
+    for a moment): the bot fails closed (INB-8), the child does not acknowledge, the
+    channel redelivers."""
+
+    def __init__(self, kv: SQLiteKv) -> None:
+        super().__init__(kv, own_kv=True, name="refuses-first-journal")
+        self.refused: set[str] = set()
+
+    async def inbox_journal(self, scope: str, record: InboxRecord) -> Any:
+        if record.id not in self.refused:
+            self.refused.add(record.id)
+            raise BackendUnavailableError("the journal is down for a moment")
+        return await super().inbox_journal(scope, record)
+
+
+def refuses_first_journal(path: str) -> RefusesFirstJournal:
+    return RefusesFirstJournal(SQLiteKv(path))
+
+
+@spec("INB-8", "INB-1", "TEST-4")
+def test_refused_journal_writes_are_not_acknowledged_and_get_redelivered(tmp_path: Any) -> None:
+    loop = KillLoop(("factory", refuses_first_journal, str(tmp_path / "bot.db")), replies(1), messages=6, kills=3,
+                    seed=2, workdir=str(tmp_path), oracle=False)
+    result = loop.run()
+    print(result.report())
+    result.assert_ok()
+    errors = [e for e in result.run.events if e.name == "error" and e.payload.get("stage") == "inbox.journal"]
+    assert len({e.payload["id"] for e in errors}) == 6  # each message refused at least once ...
+    assert result.feeds > result.messages and result.acked == 6  # ... redelivered, and then admitted
+    no_children_left(loop)
+
+
+# -- the judge on hand-made histories ----------------------------------------------------------
+def _inc(n: int, end: str, markers: list[tuple[str, str, str, dict[str, Any] | None]]) -> Incarnation:
+    inc = Incarnation(n, "bot", "i1", 1000 + n, None, 0.0)
+    inc.end = end
+    inc.markers = [Mark(i + 1, w, op, ident, info, float(n * 100 + i)) for i, (w, op, ident, info) in enumerate(markers)]
+    return inc
+
+
+def _out(key: str, state: str, text: str = "t") -> OutboxRecord:
+    return OutboxRecord(key=key, chat_id="c1", content={"text": text}, state=state)
+
+
+def _judge(policy: str, outbox: list[OutboxRecord], ledger: list[Delivery], events: list[Event] = (),
+           inbox: list[InboxRecord] | None = None, incarnations: list[Incarnation] = (), **kw: Any) -> set[str]:
+    violations, _ = judge(policy=policy, max_attempts=3, messages={"m1": ("c1", "x")}, acked={"m1"},
+                          inbox=inbox if inbox is not None else [InboxRecord(id="m1", state="done")],
+                          outbox=outbox, ledger=ledger, events=list(events), incarnations=list(incarnations), **kw)
+    return {i for v in violations for i in v.ids}
+
+
+def _d(key: str | None, n: int, text: str = "t") -> Delivery:
+    return Delivery(key, "c1", text, "bot", n, 1000 + n, float(n))
+
+
+@spec("OUT-14", "OUT-2", "INB-7", "LEASE-2")
+def test_judge_rules() -> None:
+    amb = Event(2, "durability:ambiguous", {"key": "m1:1", "chat_id": "c1"}, 1.0)
+    # skip: a duplicate is a violation even with an ambiguous event; a lost one needs unknown + event
+    assert "OUT-2" in _judge("skip", [_out("m1:1", "sent")], [_d("m1:1", 1), _d("m1:1", 2)], [amb])
+    assert _judge("skip", [_out("m1:1", "unknown")], [], [amb]) == set()
+    assert "OUT-14" in _judge("skip", [_out("m1:1", "unknown")], [])  # unknown without an event
+    # resend: each duplicate needs an event; unknown is a loss
+    assert _judge("resend", [_out("m1:1", "sent")], [_d("m1:1", 1), _d("m1:1", 2)], [amb]) == set()
+    assert "OUT-2" in _judge("resend", [_out("m1:1", "sent")], [_d("m1:1", 1), _d("m1:1", 2)])
+    assert "OUT-14" in _judge("resend", [_out("m1:1", "unknown")], [], [amb])
+    # sent but never delivered; delivered but never journaled
+    assert "OUT-1" in _judge("skip", [_out("m1:1", "sent")], [])
+    assert "OUT-1" in _judge("skip", [], [_d("m1:1", 1)])
+    # an acknowledged inbound without a record; one in the DLQ too early
+    assert "GUAR-1" in _judge("skip", [], [], inbox=[])
+    dead = [InboxRecord(id="m1", state="dead", error="3 charged executions never finished")]
+    died = [_inc(n, "killed", [("before", "inbox.claim", "m1", None), ("after", "inbox.claim", "m1", {"claimed": n})])
+            for n in (1, 2)]
+    assert "INB-7" in _judge("skip", [], [], inbox=dead, incarnations=died)
+    died.append(_inc(3, "died", [("before", "inbox.claim", "m1", None)]))  # died inside the claim: may be charged
+    assert "INB-7" not in _judge("skip", [], [], inbox=dead, incarnations=died)
+    # a token handed out twice; a completion under a superseded token
+    twice = [_inc(1, "killed", [("after", "inbox.claim", "m1", {"claimed": 2})]),
+             _inc(2, "stopped", [("after", "inbox.claim", "m1", {"claimed": 2})])]
+    assert {"REPL-1", "LEASE-2"} <= _judge("skip", [], [], incarnations=twice)
+    stale = [_inc(1, "stopped", [("after", "inbox.claim", "m1", {"claimed": 3})]),
+             _inc(2, "stopped", [("before", "inbox.complete", "m1", {"token": 2}),
+                                 ("after", "inbox.complete", "m1", {"token": 2, "ok": True})])]
+    assert "LEASE-2" in _judge("skip", [], [], incarnations=stale)
+    # an inbound legitimately in the DLQ (INB-7) may leave the sends of a run without kills unmade
+    three = died + [_inc(4, "killed", [("after", "inbox.claim", "m1", {"claimed": 4})])]
+    oracle = kill.KillOracle(Counter({("c1", "t"): 1}), {"m1": "done"}, 10.0, 5.0,
+                             by_inbound={"m1": Counter({("c1", "t"): 1})})
+    assert _judge("resend", [], [], inbox=dead, incarnations=three, oracle=oracle) == set()
+    assert "GUAR-2" in _judge("skip", [], [], oracle=oracle)  # but a done one may not
+    # against a run without kills: a send the oracle never made
+    oracle = kill.KillOracle(Counter({("c1", "t"): 1}), {"m1": "done"}, 10.0, 5.0)
+    assert "OUT-5" in _judge("skip", [_out("m1:1", "sent"), _out("m1:2", "sent", "z")],
+                             [_d("m1:1", 1), _d("m1:2", 1, "z")], oracle=oracle)
+
+
+def test_backend_specs_and_harness_errors(tmp_path: Any) -> None:
+    assert kill.spec_name(("file", "x", True)) == "file+log"
+    assert kill.spec_name(("factory", lazy_file, "x")) == "factory:test_kill_loops:lazy_file"
+    with pytest.raises(ValueError, match="on_ambiguous"):
+        KillLoop(("sqlite", "x"), on_ambiguous="maybe")
+
+    async def crashing(ctx: Any) -> None:  # never runs: the backend spec is bad
+        pass
+
+    loop = KillLoop(("nosuch", "x"), crashing, messages=1, kills=1, workdir=str(tmp_path), oracle=False)
+    with pytest.raises(kill.HarnessError, match="unknown backend spec"):
+        loop.run()
+    no_children_left(loop)
+
+
+def test_command_line_reproduces_a_builtin_loop(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m botmesh_testkit.kill`` runs a loop with the built-in handler; a
+    KillLoop using it prints that command as its reproduce line."""
+    assert kill.main(["--backend", "file+log", "--kills", "2", "--messages", "4", "--seed", "3",
+                      "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kill loop on file+log, on_ambiguous=skip, seed 3: passed" in out
+    loop = KillLoop(("sqlite", str(tmp_path / "x.db")), replies(3), kills=7, messages=9, seed=4, on_ambiguous="resend")
+    assert loop.reproduce().startswith("python -m botmesh_testkit.kill --backend sqlite --messages 9 --kills 7 "
+                                       "--seed 4 --policy resend --replies 3")
+
+
+# -- the fixture and the marker, as a user writes them ------------------------------------------
+USER_TEST = '''
+import pytest
+from botmesh_testkit.kill import replies
+
+
+async def handler(ctx):
+    await ctx.reply(f"echo {ctx.text}")
+
+
+@pytest.mark.botmesh_kill(kills=3, messages=6, seed=5)
+def test_my_kill_loop(botmesh_kill_loop):
+    loop = botmesh_kill_loop("sqlite", handler, on_ambiguous="resend")
+    result = loop.run()
+    print(result.report())
+    assert len(result.kills) == 3 and result.seed == 5 and result.policy == "resend"
+    result.assert_ok()
+
+
+def test_defaults(botmesh_kill_loop):
+    result = botmesh_kill_loop("file+log", replies(1), kills=2, messages=4, oracle=False).run()
+    assert len(result.kills) == 2
+    result.assert_ok()
+'''
+
+
+@pytest.mark.slow
+@spec("TEST-4")
+def test_fixture_and_marker_as_a_user_runs_them(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TEST)
+    result = pytester.runpytest_subprocess("-p", "botmesh_testkit.kill_plugin", "-p", "no:cacheprovider",
+                                           "--strict-markers", "-s")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*kill loop on sqlite, on_ambiguous=resend, seed 5: passed*", "*kills: 3*"])
