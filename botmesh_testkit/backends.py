@@ -44,6 +44,12 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        """The same storage described for a child process of
+        :mod:`botmesh_testkit.kill` (``("sqlite", path)`` ...), or None when a child
+        cannot reach it (in-memory storage)."""
+        return None
+
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         """When the backend is a :class:`~botmesh.core.spi.KvDurability` over a
         ``DurableKv``: a zero-argument callable giving a new, unopened kv on this
@@ -102,6 +108,9 @@ class FileHarness(BackendHarness):
             await self.backend.close()
             self.backend = None
 
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        return ("file", self.path, self.append_log, self.fsync)
+
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         from botmesh.core.file_backend import FileKv
 
@@ -144,6 +153,9 @@ class SQLiteHarness(BackendHarness):
             await store.close()
         self.stores.clear()
         self.backends = []
+
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        return ("sqlite", self.path)
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         from botmesh.sqlite_store import SQLiteKv
@@ -216,6 +228,18 @@ class FactoryHarness(BackendHarness):
         if callable(abandon):
             abandon()
         return await self._make(), self.store
+
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        target: Any = self.name if ":" in self.name else self.factory  # a registered name: the callable
+        return ("factory", target, self.workdir) if self._takes_dir() else ("factory", target)
+
+    def _takes_dir(self) -> bool:
+        import inspect
+
+        try:
+            return len(inspect.signature(self.factory).parameters) == 1
+        except (TypeError, ValueError):
+            return False
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         import inspect

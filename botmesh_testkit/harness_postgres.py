@@ -82,6 +82,9 @@ class PostgresHarness(BackendHarness):
         self.backend = backend
         return backend
 
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        return ("postgres", self.url, self.table_prefix)
+
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         """New, unopened :class:`~botmesh.postgres_store.PostgresKv` instances on this
         harness's table (for the ``DurableKv`` conformance suite); :meth:`close` drops the

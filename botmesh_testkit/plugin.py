@@ -10,7 +10,10 @@ test items beside the project's own tests (``--botmesh-parts`` picks some):
 * ``scenarios`` — the GUAR table as scenarios (``botmesh_testkit/scenarios/``), plus the
   folders given with ``--botmesh-scenarios`` / ini ``botmesh_scenarios``;
 * ``matrix`` — the crash matrix of the selected profile (``--botmesh-matrix``, default
-  ``smoke``), one item per cell, named ``botmesh-matrix::BACKEND/WORKLOAD/POLICY/WHEN:POINT#N``.
+  ``smoke``), one item per cell, named ``botmesh-matrix::BACKEND/WORKLOAD/POLICY/WHEN:POINT#N``;
+* ``kills`` — the profile's real kill loops (``kills = N``): a child process running
+  the bot on the backend is killed with SIGKILL N times per policy
+  (:mod:`botmesh_testkit.kill`), for backends that claim ``survives_crash``.
 
 A failing item prints the violated requirement ids, what happened and the command that
 reproduces it. The terminal summary lists, per backend, the requirement ids held and
@@ -49,7 +52,8 @@ if TYPE_CHECKING:
 
 SEED_KEY = pytest.StashKey[int]()
 RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]]]()
-PARTS = ("suite", "scenarios", "matrix")
+KILL_REPORTS_KEY = pytest.StashKey[list[tuple[str, list[str]]]]()
+PARTS = ("suite", "scenarios", "matrix", "kills")
 DEFAULT_BACKEND = "sqlite"
 DEFAULT_CELL_TIMEOUT = 120.0
 
@@ -95,6 +99,8 @@ def _usage(option: str, message: str) -> pytest.UsageError:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spec(*ids): the spec requirement ids a test checks")
+    if not config.pluginmanager.has_plugin("botmesh_testkit.kill_plugin"):
+        config.pluginmanager.import_plugin("botmesh_testkit.kill_plugin")
     from .backends import REGISTRY, BackendSpecError, resolve
     from .profiles import ProfileError, load_profile
 
@@ -291,6 +297,57 @@ class BrokenDryRunItem(pytest.Item):
         return "botmesh-matrix", 0, self.name
 
 
+class KillLoopItem(pytest.Item):
+    """A real kill loop (:class:`~botmesh_testkit.kill.KillLoop`) on one backend and
+    policy: ``kills`` SIGKILLs of a child process running the bot."""
+
+    def __init__(self, *, backend: str, policy: str, kills: int, messages: int, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.policy = policy
+        self.kills = kills
+        self.messages = messages
+        self.seed = seed
+        self.add_marker(pytest.mark.spec("GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "INB-2", "INB-7", "OUT-2", "OUT-14",
+                                         "LEASE-2", "LEASE-4", "TEST-3"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        from .backends import resolve
+        from .kill import KillLoop
+
+        with tempfile.TemporaryDirectory(prefix="botmesh-kills-") as tmp:
+            harness = resolve(self.backend)(tmp)
+            try:
+                asyncio.run(harness.open())  # a factory harness learns its capabilities here
+                spec, caps = harness.kill_spec(), harness.capabilities
+            finally:
+                asyncio.run(harness.close())  # the storage is the children's now (file locks ...)
+            if not caps.survives_crash:
+                pytest.skip(f"capability not claimed: survives_crash (backend {self.backend})")
+            if spec is None:
+                pytest.skip(f"backend {self.backend}: a child process cannot reach its storage")
+            try:
+                result = KillLoop(spec, kills=self.kills, messages=self.messages, seed=self.seed,
+                                  on_ambiguous=self.policy, workdir=os.path.join(tmp, "loop")).run()
+            finally:
+                asyncio.run(resolve(self.backend)(tmp).close())  # drop what the children left (tables, keys)
+        self.user_properties.append(("botmesh_kill_report", result.report().splitlines()[0:5]))
+        if not result.passed:
+            ids = sorted(result.violated_ids)
+            self.user_properties.append(("botmesh_violated", tuple(ids)))
+            raise CellFailed(result.report() + f"\n  rerun: {_rerun_base(self.config)} --botmesh-parts=kills "
+                                               f"-k {shlex.quote(self.name)}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-kills", 0, self.name
+
+
 class ServiceSkipItem(pytest.Item):
     """Stands for the items of a backend whose server could not be provisioned."""
 
@@ -340,6 +397,24 @@ def _matrix_items(session: pytest.Session, config: pytest.Config, backend: str) 
             items.append(MatrixCellItem.from_parent(session, name=f"botmesh-matrix::{cell.id}",
                                                     nodeid=f"botmesh-matrix::{cell.id}", cell=cell, oracle=truth,
                                                     seed=seed))
+    return items
+
+
+def _kill_items(session: pytest.Session, config: pytest.Config, backends: list[str]) -> list[pytest.Item]:
+    from .profiles import load_profile
+
+    profile = load_profile(config.getoption("--botmesh-matrix") or config.getini("botmesh_matrix"))
+    if not profile.kills:
+        return []
+    seed = config.stash[SEED_KEY]
+    items: list[pytest.Item] = []
+    for backend in backends:
+        if backend == "memory":
+            continue  # nothing of it outlives a process: no kill loop to run
+        for policy in profile.policies:
+            name = f"botmesh-kills::{backend}/{policy}/kills={profile.kills}"
+            items.append(KillLoopItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
+                                                  kills=profile.kills, messages=profile.kill_messages, seed=seed))
     return items
 
 
@@ -395,6 +470,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if "matrix" in parts:
         for backend in live:
             added += _matrix_items(session, config, backend)
+    if "kills" in parts and not only_cell:
+        added += _kill_items(session, config, live)
     for item in added:
         marker = item.get_closest_marker("spec")
         if marker is not None:
@@ -436,6 +513,8 @@ def _part_of(nodeid: str) -> str:
         return "scenarios"
     if nodeid.startswith("botmesh-conformance"):
         return "suite"
+    if nodeid.startswith("botmesh-kills::"):
+        return "kills"
     if nodeid.startswith("botmesh-services::"):
         return "services"
     return "tests"
@@ -453,6 +532,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         config = _CONFIG[0] if _CONFIG else None
         if config is not None:
             config.stash[RESULTS_KEY].append((str(backend), _part_of(report.nodeid), outcome, spec, violated))
+            if "botmesh_kill_report" in props:
+                config.stash.setdefault(KILL_REPORTS_KEY, []).append((str(backend), list(props["botmesh_kill_report"])))
 
 
 _CONFIG: list[pytest.Config] = []
@@ -482,6 +563,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if not results:
         write("no botmesh items ran")
         return
+    kill_lines: dict[str, list[str]] = defaultdict(list)
+    for backend, lines in config.stash.get(KILL_REPORTS_KEY, []):
+        kill_lines[backend].extend(lines)
     by_backend: dict[str, list[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]]] = defaultdict(list)
     for row in results:
         by_backend[row[0]].append(row)
@@ -489,7 +573,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         rows = by_backend[backend]
         write("")
         counts = []
-        for part in ("suite", "scenarios", "matrix"):
+        for part in PARTS:
             mine = [r for r in rows if r[1] == part]
             if mine:
                 passed = sum(r[2] == "passed" for r in mine)
@@ -497,6 +581,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 skipped = sum(r[2] == "skipped" for r in mine)
                 counts.append(f"{part} {passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
         write(f"{backend}: " + "; ".join(counts))
+        for line in kill_lines.get(backend, []):
+            write(f"  {line}")
         exercised: dict[str, int] = defaultdict(int)
         broken: dict[str, int] = defaultdict(int)
         for _, _, outcome, spec, violated in rows:

@@ -1,5 +1,7 @@
-"""Matrix profiles: TOML files naming the workloads, the policies and how many random
-cells to draw per workload. Built-in ones ship in ``botmesh_testkit/matrices/``
+"""Matrix profiles: TOML files naming the workloads, the policies, how many random
+cells to draw per workload, and the real kill loops (``kills`` SIGKILLs per loop, one
+loop per backend and policy, over ``kill_messages`` messages; only for backends that
+claim ``survives_crash``). Built-in ones ship in ``botmesh_testkit/matrices/``
 (``smoke``, ``full``); a path to a ``.toml`` file selects a profile of one's own."""
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class Profile:
     workloads: tuple[str, ...]
     policies: tuple[str, ...]
     random_per_workload: int
+    kills: int = 0
+    """Real SIGKILLs per kill loop (one loop per backend and policy; 0: no kill loops)."""
+    kill_messages: int = 40
 
 
 def builtin_names() -> list[str]:
@@ -45,7 +50,7 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(f"matrix profile file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"matrix profile {str(path)!r} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"description", "workloads", "policies", "random_per_workload"}
+    unknown = set(data) - {"description", "workloads", "policies", "random_per_workload", "kills", "kill_messages"}
     if unknown:
         raise ProfileError(f"{path}: unknown key(s) {sorted(unknown)}")
     workloads = tuple(data.get("workloads", list(WORKLOADS)))
@@ -58,4 +63,12 @@ def load_profile(name_or_path: str) -> Profile:
     count = data.get("random_per_workload", 0)
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ProfileError(f"{path}: random_per_workload must be an integer >= 0, got {count!r}")
-    return Profile(path.stem, str(data.get("description", "")), workloads, policies, count)
+    counts = {}
+    for key, default in (("kills", 0), ("kill_messages", 40)):
+        value = data.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ProfileError(f"{path}: {key} must be an integer >= 0, got {value!r}")
+        counts[key] = value
+    if counts["kills"] and not counts["kill_messages"]:
+        raise ProfileError(f"{path}: kill_messages must be > 0 when kills is set")
+    return Profile(path.stem, str(data.get("description", "")), workloads, policies, count, **counts)

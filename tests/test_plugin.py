@@ -188,3 +188,20 @@ def test_fixtures_for_ones_own_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_own=OWN_TEST)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+@pytest.mark.spec("GUAR-1", "GUAR-3", "OUT-14", "TEST-3")
+def test_the_profile_kill_loops_run_as_items(pytester: pytest.Pytester) -> None:
+    """``kills = N`` in a profile: one real kill loop per backend and policy, its counts
+    in the summary; a backend that does not survive a crash gets none."""
+    pytester.makefile(".toml", tiny='workloads = ["one-send"]\npolicies = ["resend"]\nkills = 4\nkill_messages = 6\n')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--botmesh-backend=sqlite", "--botmesh-backend=memory",
+                                           "--botmesh-parts=kills", "--botmesh-matrix=tiny.toml", "--botmesh-seed=2", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*botmesh-kills::sqlite/resend/kills=4 PASSED*", "sqlite: kills 1 passed, 0 failed",
+                                 "*kill loop on sqlite, on_ambiguous=resend, seed 2: passed*",
+                                 "*kills: 4 (*); self-deaths: 0; incarnations: 5*",
+                                 "*deliveries: * duplicates: *; losses: 0*"])
+    pytester.makefile(".toml", bad="kills = -1\n")
+    bad = pytester.runpytest_subprocess("--botmesh-backend=sqlite", "--botmesh-matrix=bad.toml")
+    bad.stderr.fnmatch_lines(["*--botmesh-matrix: bad.toml: kills must be an integer >= 0, got -1*"])
