@@ -1,0 +1,151 @@
+"""``RedisHarness``: the testkit's harness for the Redis backend
+(:class:`botmesh.redis_store.RedisDurability`).
+
+Storage is one key prefix on one Redis server, derived from the workdir:
+``"bm" + sha1(workdir)[:10]``. The same workdir therefore means the same storage (a
+restarted "process" finds its journals), and the fresh workdir of every test or crash
+cell keeps cells (and pytest-xdist workers) apart on a shared server.
+
+* :meth:`~RedisHarness.open` — a :class:`RedisDurability` with a client of its own, and a
+  :class:`~botmesh.core.store.MemoryStore` (it stands for a persistent store and is kept
+  across restarts, like the other harnesses do).
+* :meth:`~RedisHarness.reopen` — the process dies: its kv is abandoned (every later call
+  of the dead incarnation fails) and its client's sockets are closed without any further
+  command — nothing is "flushed", because a Redis client buffers nothing: only what the
+  server acknowledged survives. Then a new :class:`RedisDurability` opens the same prefix.
+* :meth:`~RedisHarness.close` — deletes every key of the prefix (``SCAN MATCH``) and
+  closes every client.
+
+Crash survival here is survival of the *client* process; the server keeps running. A
+server crash needs AOF with ``appendfsync always`` (see :mod:`botmesh.redis_store.kv`).
+Requires redis-py.
+
+Event loops: the clients are asyncio clients, bound to the loop that first used them.
+Close the harness on that loop (``World.close()`` does); a later ``close()`` on another
+loop still deletes the keys (with a client of its own) but can no longer close the
+sockets of a backend that was left open on a finished loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from botmesh.core.backend import DurabilityBackend
+from botmesh.core.spi import Capabilities
+from botmesh.core.store import MemoryStore, Store
+
+from .backends import BackendHarness
+
+__all__ = ["DEFAULT_URL", "RedisHarness", "prefix_for"]
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+def prefix_for(workdir: str) -> str:
+    """The key prefix of a workdir: ``"bm" + sha1(workdir)[:10]`` (deterministic)."""
+    return "bm" + hashlib.sha1(workdir.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+
+
+class RedisHarness(BackendHarness):
+    """Opens :class:`~botmesh.redis_store.RedisDurability` on the server at ``url`` under
+    the prefix of ``workdir`` (see the module docstring)."""
+
+    name = "redis"
+
+    def __init__(self, workdir: str | None = None, *, url: str, run_prefix: str = "") -> None:
+        super().__init__(workdir)
+        self.url = url
+        self.prefix = run_prefix + prefix_for(self.workdir)
+        self.backend: Any = None
+        self.store: Store | None = None
+        self.backends: list[Any] = []
+
+    @classmethod
+    def from_env(cls, workdir: str | None = None) -> RedisHarness:
+        """A harness on the server of ``BOTMESH_REDIS_URL`` (default
+        ``redis://127.0.0.1:6379/0``) — what a registry entry such as
+        ``HARNESSES["redis"] = RedisHarness.from_env`` needs."""
+        return cls(workdir, url=os.environ.get("BOTMESH_REDIS_URL", DEFAULT_URL))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        from botmesh.redis_store import RedisKv
+
+        return RedisKv.capabilities
+
+    def _new_backend(self) -> Any:
+        from botmesh.redis_store import RedisDurability
+
+        backend = RedisDurability(url=self.url, prefix=self.prefix)
+        self.backends.append(backend)
+        self.backend = backend
+        return backend
+
+    async def open(self) -> tuple[DurabilityBackend, Store]:
+        self.store = MemoryStore()
+        return self._new_backend(), self.store
+
+    async def reopen(self) -> tuple[DurabilityBackend, Store]:
+        if self.backend is not None:
+            drop = self.backend.kv.abandon()
+            if drop is not None:
+                await drop  # the dead process's sockets are gone before the new one starts
+        if self.store is None:
+            self.store = MemoryStore()
+        return self._new_backend(), self.store
+
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        return ("redis", self.url, self.prefix)
+
+    def kv_factory(self) -> Any:
+        from botmesh.redis_store import RedisKv
+
+        return lambda: RedisKv(url=self.url, prefix=self.prefix)
+
+    async def delete_keys(self) -> int:
+        """Delete every key of this harness's prefix; the number deleted."""
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        from botmesh.redis_store import key_pattern
+
+        client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), retry_on_error=[])
+        deleted = 0
+        try:
+            batch: list[bytes] = []
+            async for key in client.scan_iter(match=key_pattern(self.prefix), count=500):
+                batch.append(key)
+                if len(batch) >= 500:
+                    deleted += await client.delete(*batch)
+                    batch.clear()
+            if batch:
+                deleted += await client.delete(*batch)
+        finally:
+            await client.aclose()
+        return deleted
+
+    async def close(self) -> None:
+        try:
+            await self.delete_keys()
+        finally:
+            for backend in self.backends:
+                await backend.kv.close()
+            self.backends.clear()
+            self.backend = None
+
+
+def provisioned(workdir: str | None = None) -> RedisHarness:
+    """The harness of the built-in backend name ``redis``: a prefix per workdir, under the
+    run's own prefix, on the server the pytest plugin provisioned
+    (``$BOTMESH_REDIS_URL`` and ``$BOTMESH_REDIS_PREFIX``; :mod:`botmesh_testkit.services`)."""
+    from .services import REDIS_PREFIX_ENV, REDIS_URL_ENV
+
+    url = os.environ.get(REDIS_URL_ENV)
+    if not url:
+        raise RuntimeError(f"backend 'redis' needs a server: set {REDIS_URL_ENV}, or run it through pytest "
+                           "(the plugin provisions one: --botmesh-redis-url, else a private server)")
+    run_prefix = os.environ.get(REDIS_PREFIX_ENV, "")
+    return RedisHarness(workdir, url=url, run_prefix=f"{run_prefix}_" if run_prefix else "")

@@ -1,0 +1,694 @@
+"""``RedisKv``: the :class:`~botmesh.core.spi.DurableKv` of the Redis backend (BACK-3),
+over redis-py's asyncio client (``redis.asyncio.Redis``) or cluster client
+(``redis.asyncio.cluster.RedisCluster``).
+
+Key layout (BACK-3)
+-------------------
+Everything of one ``(scope, space)`` lives under one Redis Cluster hash tag, so that one
+scope's journal is in one slot and every write can be one atomic script::
+
+    <prefix>:{durable:<space>:<scope>}:records  hash  key -> {"version": n, "value": {...}}
+    <prefix>:{durable:<space>:<scope>}:due      zset  score = due (ms), member = key
+    <prefix>:{durable:<space>:<scope>}:expires  zset  score = expires (ms), member = key
+    <prefix>:{durable:<space>:<scope>}:keys     zset  score 0, member = key (for scan)
+
+With the engine's spaces this is ``<prefix>:{durable:inbox:<scope>}`` and
+``<prefix>:{durable:outbox:<scope>}``, exactly as BACK-3 says.
+
+* ``<scope>`` is any string. It is written with ``%``, ``{``, ``}`` and the ASCII control
+  characters percent-encoded (``%XX`` of their UTF-8 bytes); everything else is kept
+  as is, so keys stay readable. The encoded scope never contains ``}``, so the hash tag
+  always ends where the scope ends, and the encoding is injective (``%`` itself is
+  encoded), so no two scopes share keys — a scope ``a}:x`` cannot reach into the keys of
+  scope ``a``.
+* ``<space>`` is encoded the same way plus ``:``, so the first ``:`` after ``durable:``
+  always ends the space (a space ``in:box`` can never meet space ``in`` and a scope
+  starting with ``box:``).
+* ``<prefix>`` may contain no ``{``, ``}``, whitespace or control characters (see
+  :func:`check_prefix`), so the first ``{`` of every key opens the hash tag, and two
+  prefixes never share keys (after a prefix comes ``:{``, which no prefix contains).
+* Keys and members are UTF-8 bytes (``surrogatepass``, so any Python string works).
+  Redis orders members of equal score, and ``ZRANGEBYLEX`` ranges, by comparing bytes;
+  for UTF-8 byte order is code-point order, which is what ``range`` (ties by key) and
+  ``scan`` promise.
+* A record's hash field holds the JSON text ``{"version":n,"value":<value JSON>}``: the
+  scripts read the version from the fixed prefix of that text with a Lua pattern and
+  never parse the value (Lua's cjson would round big integers and floats).
+
+Atomicity
+---------
+Every ``put`` and ``delete`` is ONE Lua script run with ``EVALSHA`` (redis-py's
+``register_script``): it reads the current version, compares it with
+``expected_version`` and — only when they match — writes the record and both index
+entries, all inside the server. Concurrent CAS calls on one key therefore have exactly
+one winner, across processes and hosts (REPL-1). ``scan`` is a read-only script as well
+(keys and values from one snapshot); ``get`` is one ``HGET`` and ``range`` one
+``ZRANGEBYSCORE``.
+
+No automatic retry of a write
+-----------------------------
+A write whose reply is lost (connection reset after the command was sent) may have
+landed. Re-sending it would turn a landed CAS into a false ``VersionConflict`` (or a
+landed create into a "duplicate"), so no client used here may retry a command on its
+own: clients this module builds get ``retry=Retry(NoBackoff(), 0)`` and
+``retry_on_error=[]`` (redis-py 6+ retries 3 times by default), and an injected client
+whose retry policy would resend a command is refused with a
+:class:`~botmesh.core.errors.ConfigError` naming ``client`` (build it with
+``retry=Retry(NoBackoff(), 0)``; for a ``RedisCluster`` the cluster-level ``retry``).
+Instead of a resend, the error is raised as
+:class:`~botmesh.core.errors.BackendUnavailableError` and
+:class:`~botmesh.core.spi.KvDurability` re-reads the record by key to learn the outcome.
+The only resends left are safe ones: redis-py's ``NOSCRIPT`` fallback (``SCRIPT LOAD``
+then ``EVALSHA`` again — a ``NOSCRIPT`` reply means the script did not run) and a
+cluster's ``MOVED``/``ASK``/``TRYAGAIN`` redirections (the node refused the command).
+
+Redis Cluster
+-------------
+With ``cluster=`` (or an injected ``RedisCluster``) every script touches the keys of one
+hash tag, so one slot, so one node. The slot map is loaded once before the first
+command (:meth:`RedisKv._initialize_cluster`), with concurrent first calls waiting for
+it: redis-py initializes lazily and concurrent first commands racing that can see their
+connections closed under them. Tested against a private 3-node cluster started by the
+tests from the local ``redis-server`` binaries.
+
+Cancellation
+------------
+redis-py sends commands under ``asyncio.wait_for``; on Python 3.11 a cancellation that
+arrives in the same loop iteration as the completed write is dropped and the command
+returns normally. Every call here compares ``Task.cancelling()`` before and after the
+driver call and raises ``CancelledError`` itself when a cancellation was swallowed, so
+that cancelling a task blocked on this backend (``bot.stop()`` cancelling the sweep)
+always works.
+
+Errors, lifecycle, durability
+-----------------------------
+Every redis-py error (connection refused or reset, timeout, error reply, cluster error)
+is raised as ``BackendUnavailableError`` naming the operation and the prefix, and
+reported to ``logger.error``. A hash field under our keys that is not a record written
+here is reported when read: ``get``/``scan`` raise
+:class:`~botmesh.core.errors.JournalCorruptError` naming the Redis key and the record
+key; a ``put``/``delete`` on it fails in the script (``BackendUnavailableError``,
+"malformed record") and changes nothing.
+
+A client built from ``url``/``cluster`` is created when
+the kv is built (a bad URL is a ``ConfigError`` at once), closed by :meth:`close` and
+created again by a later :meth:`open`; an injected ``client`` belongs to its owner and
+is never closed here. After :meth:`close` (or :meth:`abandon`) every call raises
+``BackendUnavailableError``.
+
+``capabilities.survives_crash`` is claimed, but it holds only when the *server* makes
+acknowledged writes durable: AOF with ``appendfsync always``. With ``everysec`` a server
+crash may lose the last second of acknowledged writes; without persistence a server
+restart loses everything. A crash of the *client* process never loses an acknowledged
+write (nothing is buffered client-side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import unicodedata
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, Union
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
+
+from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
+from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_json_object
+
+__all__ = [
+    "ClusterSpec",
+    "DEFAULT_PREFIX",
+    "MAX_PREFIX_LENGTH",
+    "RedisClient",
+    "RedisKv",
+    "check_prefix",
+    "client_retries",
+    "key_pattern",
+    "scope_keys",
+]
+
+RedisClient = Union[Redis, RedisCluster]
+"""What ``client=`` accepts: an asyncio ``Redis`` or ``RedisCluster`` client."""
+
+ClusterSpec = Union[str, Sequence[Union[str, tuple[str, int]]]]
+"""What ``cluster=`` accepts: a ``redis://host:port`` URL of one node, or a list of
+startup nodes as ``"host:port"`` strings or ``(host, port)`` tuples."""
+
+DEFAULT_PREFIX = "botmesh"
+MAX_PREFIX_LENGTH = 64
+DEFAULT_SOCKET_TIMEOUT_S = 30.0
+"""Socket timeout of the clients built here (a URL query ``socket_timeout=`` wins): a
+server that stops answering makes a call fail instead of hanging forever."""
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+
+log = logging.getLogger("botmesh.redis_store")
+T = TypeVar("T")
+
+_DRIVER_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, EOFError)
+
+_NEW, _OPEN, _CLOSED = "new", "open", "closed"
+
+# -- Lua ------------------------------------------------------------------------------------
+# KEYS: 1 records hash, 2 due zset, 3 expires zset, 4 keys zset (all one hash tag).
+# The stored text starts with {"version":<n>, -- written only by PUT below.
+_VERSION_OF = """
+local function version_of(text)
+  if not text then return 0 end
+  local v = string.match(text, '^{"version":(%d+),')
+  if not v then return redis.error_reply('botmesh: malformed record in ' .. KEYS[1]) end
+  return tonumber(v)
+end
+"""
+
+# ARGV: 1 key, 2 expected version, 3 value JSON, 4 due score or "", 5 expires score or "".
+# Returns {1, new version} or {0, current version} (nothing changed).
+_PUT_LUA = _VERSION_OF + """
+local current = version_of(redis.call('HGET', KEYS[1], ARGV[1]))
+if type(current) == 'table' then return current end
+if current ~= tonumber(ARGV[2]) then return {0, current} end
+local new = current + 1
+redis.call('HSET', KEYS[1], ARGV[1], '{"version":' .. string.format('%d', new) .. ',"value":' .. ARGV[3] .. '}')
+if ARGV[4] == '' then redis.call('ZREM', KEYS[2], ARGV[1]) else redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1]) end
+if ARGV[5] == '' then redis.call('ZREM', KEYS[3], ARGV[1]) else redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1]) end
+redis.call('ZADD', KEYS[4], 0, ARGV[1])
+return {1, new}
+"""
+
+# ARGV: 1 key, 2 expected version. Returns {1, version} or {0, current version (0: absent)}.
+_DELETE_LUA = _VERSION_OF + """
+local current = version_of(redis.call('HGET', KEYS[1], ARGV[1]))
+if type(current) == 'table' then return current end
+if current == 0 or current ~= tonumber(ARGV[2]) then return {0, current} end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+return {1, current}
+"""
+
+# KEYS: 1 records hash, 2 keys zset. ARGV: 1 ZRANGEBYLEX min ("-" or "(" .. after),
+# 2 count (-1: all). Returns {key1, record1, key2, record2, ...} in key byte order.
+_SCAN_LUA = """
+local keys = redis.call('ZRANGEBYLEX', KEYS[2], ARGV[1], '+', 'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for _, k in ipairs(keys) do
+  local record = redis.call('HGET', KEYS[1], k)
+  if record then
+    out[#out + 1] = k
+    out[#out + 1] = record
+  end
+end
+return out
+"""
+
+
+# -- key layout --------------------------------------------------------------------------
+
+
+def _escape(text: str, special: str) -> str:
+    """``text`` with every character of ``special``, and every ASCII control character,
+    replaced by ``%XX`` of its UTF-8 bytes (``%`` must be in ``special``: that makes the
+    encoding injective)."""
+    out: list[str] = []
+    for ch in text:
+        if ch in special or ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append("".join(f"%{b:02X}" for b in ch.encode("utf-8")))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _b(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _s(data: bytes | str) -> str:
+    return data if isinstance(data, str) else data.decode("utf-8", "surrogatepass")
+
+
+def scope_keys(prefix: str, scope: str, space: str) -> dict[str, bytes]:
+    """The Redis keys of one ``(scope, space)`` under ``prefix``: ``records``, ``due``,
+    ``expires`` and ``keys``, all under the hash tag ``{durable:<space>:<scope>}``."""
+    base = f"{prefix}:{{durable:{_escape(space, '%{}:')}:{_escape(scope, '%{}')}}}"
+    return {part: _b(f"{base}:{part}") for part in ("records", "due", "expires", "keys")}
+
+
+def key_pattern(prefix: str) -> str:
+    """A ``SCAN MATCH`` pattern for every key this backend writes under ``prefix`` (and
+    nothing of another prefix: the pattern includes the ``:{durable:`` that follows)."""
+    escaped = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in prefix)
+    return f"{escaped}:{{durable:*"
+
+
+def check_prefix(prefix: Any) -> str:
+    """``prefix`` when valid, else a :class:`ConfigError` naming the option ``prefix``:
+    a non-empty string of at most 64 characters without ``{``, ``}``, whitespace or
+    control characters (they would break the hash tag or make keys unreadable)."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"prefix: {why}, got {prefix!r}", option="prefix", value=prefix)
+
+    if not isinstance(prefix, str):
+        raise bad("expected a string")
+    if not prefix:
+        raise bad("must not be empty")
+    if len(prefix) > MAX_PREFIX_LENGTH:
+        raise bad(f"at most {MAX_PREFIX_LENGTH} characters ({len(prefix)} given)")
+    for ch in prefix:
+        if ch in "{}":
+            raise bad(f"must not contain {ch!r} (it would change the Redis Cluster hash tag)")
+        if ch.isspace():
+            raise bad("must not contain whitespace")
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn"):
+            raise bad(f"must not contain control or unassigned characters ({ch!r})")
+    return prefix
+
+
+# -- clients -------------------------------------------------------------------------------
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+def client_retries(client: RedisClient) -> int:
+    """How many times ``client`` would resend a command on its own after a connection
+    error or timeout (``-1``: forever). For a ``Redis`` client this mirrors how
+    redis-py builds a connection's retry policy from the pool's connection settings;
+    for a ``RedisCluster`` it is the cluster-level policy (its node connections never
+    retry)."""
+    if isinstance(client, RedisCluster):
+        return int(client.retry.get_retries())
+    single = getattr(client, "connection", None)
+    if single is not None:
+        return int(single.retry.get_retries())
+    kwargs = client.connection_pool.connection_kwargs
+    retry = kwargs.get("retry")
+    if retry is not None:
+        return int(retry.get_retries())
+    if kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout"):
+        return 1  # redis-py then builds Retry(NoBackoff(), 1)
+    return 0
+
+
+def _client_options() -> dict[str, Any]:
+    return {
+        "retry": _no_retry(),
+        "socket_timeout": DEFAULT_SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT_S,
+    }
+
+
+def _client_from_url(url: Any) -> Redis:
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"url: expected a redis:// URL string, got {url!r}", option="url", value=url)
+    try:
+        client = Redis.from_url(url, retry_on_error=[], **_client_options())
+    except (ValueError, TypeError, RedisError) as exc:
+        raise ConfigError(f"url: not a usable Redis URL ({exc}): {url!r}", option="url", value=url) from exc
+    return client
+
+
+def _cluster_from_spec(cluster: Any) -> RedisCluster:
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"cluster: {why}, got {cluster!r}", option="cluster", value=cluster)
+
+    try:
+        if isinstance(cluster, str):
+            if not cluster:
+                raise bad("expected a redis:// URL or a list of 'host:port' startup nodes")
+            return RedisCluster.from_url(cluster, **_client_options())
+        if not isinstance(cluster, Sequence) or not cluster:
+            raise bad("expected a redis:// URL or a non-empty list of 'host:port' startup nodes")
+        nodes: list[ClusterNode] = []
+        for node in cluster:
+            if isinstance(node, str):
+                host, sep, port = node.rpartition(":")
+                if not sep or not host or not port.isdigit():
+                    raise bad(f"a startup node is 'host:port', not {node!r}")
+                nodes.append(ClusterNode(host, int(port)))
+            elif isinstance(node, tuple) and len(node) == 2 and isinstance(node[0], str) and isinstance(node[1], int):
+                nodes.append(ClusterNode(node[0], node[1]))
+            else:
+                raise bad(f"a startup node is 'host:port' or (host, port), not {node!r}")
+        return RedisCluster(startup_nodes=nodes, **_client_options())
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
+        raise bad(f"cannot build a cluster client ({exc})") from exc
+
+
+def _raise_swallowed_cancel(task: asyncio.Task[Any] | None, cancels: int, cause: BaseException | None) -> None:
+    """Raise ``CancelledError`` when the current task was cancelled during a driver call
+    that still returned (or raised another error): redis-py wraps socket writes in
+    ``asyncio.wait_for``, which on Python 3.11 drops a cancellation that arrives as the
+    write completes — the task would then never stop (a bot's ``stop()`` would wait for
+    its sweep forever)."""
+    if task is not None and task.cancelling() > cancels:
+        raise asyncio.CancelledError() from cause
+
+
+def _float_arg(name: str, score: float | None) -> bytes:
+    if score is None:
+        return b""
+    value = float(score)
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number or None, not NaN")
+    if math.isinf(value):
+        return b"+inf" if value > 0 else b"-inf"
+    return repr(value).encode("ascii")
+
+
+def _decode_record(text: bytes | str, where: bytes, key: str) -> Versioned:
+    """A stored ``{"version": n, "value": {...}}`` as a :class:`Versioned`; anything else
+    (written by someone else under our keys) is a :class:`JournalCorruptError` naming the
+    Redis key and the record key."""
+    try:
+        record = json.loads(text)
+        value, version = record["value"], record["version"]
+        if not isinstance(value, dict) or not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError("not a {version, value} record")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise JournalCorruptError(
+            f"malformed record {key!r} in {_s(where)!r}: {exc}", redis_key=_s(where), key=key
+        ) from exc
+    return Versioned(value, version)
+
+
+class RedisKv(DurableKv):
+    """A :class:`~botmesh.core.spi.DurableKv` in Redis (standalone or Cluster), keys
+    under ``prefix`` (BACK-3; see the module docstring for the layout and the rules).
+
+    Exactly one of:
+
+    * ``client`` — an ``redis.asyncio.Redis`` or ``RedisCluster`` you own (never closed
+      here). It must not retry commands by itself: build it with
+      ``retry=Retry(NoBackoff(), 0)`` (a ``ConfigError`` naming ``client`` otherwise).
+    * ``url`` — ``redis://[[user]:[password]@]host:port/db`` (or ``rediss://``,
+      ``unix://``): a client of its own, without retries.
+    * ``cluster`` — a Redis Cluster: a ``redis://host:port`` URL of one node or a list
+      of ``"host:port"`` / ``(host, port)`` startup nodes; a ``RedisCluster`` of its
+      own, without retries.
+
+    ``prefix`` — see :func:`check_prefix`. ``logger`` — where driver errors are
+    reported (``logger.error``); default ``logging.getLogger("botmesh.redis_store")``.
+    """
+
+    capabilities = Capabilities(survives_crash=True, multi_process=True, multi_host=True, shared=True)
+
+    def __init__(
+        self,
+        *,
+        client: RedisClient | None = None,
+        url: str | None = None,
+        cluster: ClusterSpec | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        given = [name for name, value in (("client", client), ("url", url), ("cluster", cluster)) if value is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                "exactly one of client=, url= or cluster= is required"
+                + (f" (got {', '.join(given)})" if given else " (got none)"),
+                option="client|url|cluster",
+                value=given,
+            )
+        self._prefix = check_prefix(prefix)
+        self._logger = logger if logger is not None else log
+        self._url = url
+        self._cluster = cluster
+        self._owns_client = client is None
+        if client is not None:
+            if not isinstance(client, (Redis, RedisCluster)):
+                raise ConfigError(
+                    f"client: expected a redis.asyncio.Redis or redis.asyncio.cluster.RedisCluster, "
+                    f"got {type(client).__name__}",
+                    option="client",
+                    value=client,
+                )
+            retries = client_retries(client)
+            if retries != 0:
+                raise ConfigError(
+                    f"client: it retries commands by itself ({'forever' if retries < 0 else f'{retries} times'}); "
+                    "a resent write may apply twice (a landed compare-and-set replayed becomes a false conflict). "
+                    "Build it with retry=Retry(NoBackoff(), 0) and retry_on_error=[] (for a RedisCluster: "
+                    "retry=Retry(NoBackoff(), 0)), or pass url= / cluster= instead",
+                    option="client",
+                    value=client,
+                )
+        self._client: RedisClient | None = client if client is not None else self._new_client()
+        self._scripts = self._register(self._client)
+        self._state = _NEW
+        self._ready_cluster: RedisCluster | None = None
+        self._cluster_lock = asyncio.Lock()
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix (``<prefix>:{durable:<space>:<scope>}:...``)."""
+        return self._prefix
+
+    @property
+    def owns_client(self) -> bool:
+        """Whether the client was built here (from ``url``/``cluster``) and is closed by
+        :meth:`close`; False for an injected ``client``."""
+        return self._owns_client
+
+    @property
+    def client(self) -> RedisClient | None:
+        """The client in use (``None`` while an own client is closed)."""
+        return self._client
+
+    def __repr__(self) -> str:
+        where = "client" if not self._owns_client else ("cluster" if self._cluster is not None else "url")
+        return f"RedisKv({where}, prefix={self._prefix!r}, state={self._state})"
+
+    def keys_of(self, scope: str, space: str) -> dict[str, bytes]:
+        """The Redis keys of ``(scope, space)`` (see :func:`scope_keys`)."""
+        return scope_keys(self._prefix, scope, space)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _new_client(self) -> RedisClient:
+        if self._cluster is not None:
+            return _cluster_from_spec(self._cluster)
+        return _client_from_url(self._url)
+
+    @staticmethod
+    def _register(client: RedisClient) -> dict[str, Any]:
+        return {
+            "put": client.register_script(_PUT_LUA),
+            "delete": client.register_script(_DELETE_LUA),
+            "scan": client.register_script(_SCAN_LUA),
+        }
+
+    async def open(self) -> None:
+        """Make the kv usable. Idempotent; after :meth:`close` (or :meth:`abandon`) an
+        own client is built again. Connections are made on the first call."""
+        if self._client is None:
+            self._client = self._new_client()
+            self._scripts = self._register(self._client)
+            self._cluster_lock = asyncio.Lock()
+        self._state = _OPEN
+
+    async def close(self) -> None:
+        """Close an own client (an injected one is left open). Idempotent. Later calls
+        raise ``BackendUnavailableError`` until :meth:`open`."""
+        self._state = _CLOSED
+        if self._owns_client and self._client is not None:
+            client, self._client = self._client, None
+            try:
+                await client.aclose()
+            except Exception as exc:  # noqa: BLE001 - closing a broken connection is not an error of the caller
+                self._logger.warning("redis: closing the client of prefix %r failed: %r", self._prefix, exc)
+
+    def abandon(self) -> asyncio.Task[None] | None:
+        """Let the kv go as a dead process would: every later call raises
+        ``BackendUnavailableError``; an own client's connections are dropped (closed
+        without any further command to the server — nothing is flushed, because nothing
+        is buffered client-side). Returns the task doing the drop when an event loop
+        runs (await it to be sure the sockets are closed), else None."""
+        self._state = _CLOSED
+        if not self._owns_client or self._client is None:
+            return None
+        client, self._client = self._client, None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            _close_sockets_now(client)
+            return None
+        task = loop.create_task(self._drop(client))
+        _DROPS.add(task)
+        task.add_done_callback(_DROPS.discard)
+        return task
+
+    async def _drop(self, client: RedisClient) -> None:
+        try:
+            await client.aclose()
+        except Exception:  # noqa: BLE001, S110 - a dead process's sockets just vanish
+            pass
+
+    def _live_client(self) -> RedisClient:
+        if self._state == _CLOSED or self._client is None:
+            raise BackendUnavailableError(f"RedisKv (prefix {self._prefix!r}) is closed", prefix=self._prefix)
+        return self._client
+
+    async def _initialize_cluster(self, client: RedisCluster) -> None:
+        """Load the cluster's slot map once, before the first command, with the other
+        first calls waiting: redis-py initializes a ``RedisCluster`` lazily, and concurrent
+        first commands racing that initialization can find their connections closed
+        under them (seen with 50 concurrent first writes)."""
+        async with self._cluster_lock:
+            if client is not self._ready_cluster:
+                await client.initialize()
+                self._ready_cluster = client
+
+    async def _call(self, op: str, fn: Callable[[RedisClient, dict[str, Any]], Awaitable[T]]) -> T:
+        """Run ``fn(client, scripts)``, translating every driver error into
+        ``BackendUnavailableError`` (reported to the logger)."""
+        client = self._live_client()
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
+        try:
+            if isinstance(client, RedisCluster) and client is not self._ready_cluster:
+                await self._initialize_cluster(client)
+            result = await fn(client, self._scripts)
+        except _DRIVER_ERRORS as exc:
+            _raise_swallowed_cancel(task, cancels, exc)
+            self._logger.error("redis: %s failed (prefix %r): %s: %s", op, self._prefix, type(exc).__name__, exc)
+            raise BackendUnavailableError(
+                f"redis {op} failed (prefix {self._prefix!r}): {type(exc).__name__}: {exc}",
+                prefix=self._prefix,
+                operation=op,
+            ) from exc
+        _raise_swallowed_cancel(task, cancels, None)
+        return result
+
+    # -- DurableKv -----------------------------------------------------------------------
+
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        """The record at ``(scope, space, key)`` with its version, or ``None`` (one
+        ``HGET``)."""
+        keys = self.keys_of(scope, space)
+        raw = await self._call("get", lambda c, _: c.hget(keys["records"], _b(key)))  # type: ignore[arg-type,return-value]
+        return None if raw is None else _decode_record(raw, keys["records"], key)
+
+    async def put(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """Compare-and-set (see :meth:`DurableKv.put`), record and both index entries in
+        one Lua script."""
+        text = json.dumps(check_json_object(value), allow_nan=False, separators=(",", ":"))
+        keys = self.keys_of(scope, space)
+        args = [_b(key), str(int(expected_version)).encode(), text.encode("ascii"), _float_arg("due", due),
+                _float_arg("expires", expires)]
+        ok, version = await self._call(
+            "put",
+            lambda c, s: s["put"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
+        )
+        if not ok:
+            raise VersionConflict.at(space, key, expected_version, int(version))
+        return int(version)
+
+    async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
+        """Remove the record at version ``expected_version`` and its index entries, in
+        one Lua script; ``VersionConflict`` when absent or at another version."""
+        keys = self.keys_of(scope, space)
+        args = [_b(key), str(int(expected_version)).encode()]
+        ok, version = await self._call(
+            "delete",
+            lambda c, s: s["delete"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
+        )
+        if not ok:
+            raise VersionConflict.at(space, key, expected_version, int(version))
+
+    async def range(
+        self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
+    ) -> list[tuple[float, str]]:
+        """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
+        ascending by ``(score, key)`` (one ``ZRANGEBYSCORE``; Redis orders equal scores by
+        member bytes, i.e. by code point)."""
+        keys = self.keys_of(scope, space)
+        # Like MemoryKv: "due" selects the due index, any other name the expires index.
+        name = keys["due"] if index == "due" else keys["expires"]
+        upper = float(upto)
+        if math.isnan(upper):
+            raise ValueError("upto must be a number, not NaN")
+        top = b"+inf" if upper == math.inf else (b"-inf" if upper == -math.inf else repr(upper).encode("ascii"))
+        exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+        rows = await self._call(
+            "range",
+            lambda c, _: c.zrangebyscore(  # type: ignore[arg-type,return-value]
+                name, b"-inf", top, start=0 if exact else None, num=limit if exact else None, withscores=True
+            ),
+        )
+        result = [(float(score), _s(member)) for member, score in rows]
+        return result if exact else result[:limit]
+
+    async def scan(
+        self, scope: str, space: str, *, after: str | None = None, limit: int = 100
+    ) -> list[tuple[str, Versioned]]:
+        """Up to ``limit`` records with key ``> after`` (all when ``after`` is None),
+        ascending by key in code-point order (``ZRANGEBYLEX`` on UTF-8 bytes), keys and
+        values read by one script."""
+        keys = self.keys_of(scope, space)
+        low = b"-" if after is None else b"(" + _b(after)
+        exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+        args = [low, str(limit if exact else -1).encode()]
+        flat = await self._call("scan", lambda c, s: s["scan"](keys=[keys["records"], keys["keys"]], args=args))
+        result = [(_s(flat[i]), _decode_record(flat[i + 1], keys["records"], _s(flat[i]))) for i in range(0, len(flat), 2)]
+        return result if exact else result[:limit]
+
+
+def _close_sockets_now(client: RedisClient) -> None:
+    """Close every socket of ``client`` without awaiting anything — what redis-py itself
+    does when it disconnects outside a task. Used by :meth:`RedisKv.abandon` when no
+    event loop runs (the loop closes the transports when it runs next). It reaches into
+    redis-py's pools (``_available_connections``/``_in_use_connections`` of a pool,
+    ``_connections`` of a cluster node, each connection's ``_close()``); should those
+    names change, nothing is closed and the sockets are only released at garbage
+    collection (with a ``ResourceWarning``), which changes nothing of what the server
+    holds. For a ``RedisCluster`` the client is also marked closed as ``aclose()``
+    does."""
+    connections: list[Any] = []
+    if isinstance(client, RedisCluster):
+        manager = client.nodes_manager
+        for cache in (getattr(manager, "nodes_cache", {}), getattr(manager, "startup_nodes", {})):
+            for node in cache.values():
+                connections.extend(getattr(node, "_connections", ()))
+        if hasattr(client, "_initialize"):
+            client._initialize = True  # what aclose() sets: the client is no longer in use
+    else:
+        pool = client.connection_pool
+        connections.extend(getattr(pool, "_available_connections", ()))
+        connections.extend(getattr(pool, "_in_use_connections", ()))
+        single = getattr(client, "connection", None)
+        if single is not None:
+            connections.append(single)
+    for connection in connections:
+        close = getattr(connection, "_close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001, S110 - a dead process's sockets just vanish
+                pass
+
+
+_DROPS: set[asyncio.Task[None]] = set()
+"""Connection drops of abandoned kvs still running (kept referenced until done)."""
