@@ -44,6 +44,17 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    def server_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the server holding the storage, for backends on a server
+        (the fault suite puts a :class:`~botmesh_testkit.faultproxy.FaultProxy` in
+        front of it); None for local storage."""
+        return None
+
+    def via(self, host: str, port: int) -> BackendHarness:
+        """A harness on the *same* storage whose backend reaches the server at
+        ``host:port`` (a proxy) instead. Only for harnesses with a server address."""
+        raise NotImplementedError(f"{type(self).__name__} has no server to reach another way")
+
     def kill_spec(self) -> tuple[Any, ...] | None:
         """The same storage described for a child process of
         :mod:`botmesh_testkit.kill` (``("sqlite", path)`` ...), or None when a child

@@ -24,6 +24,8 @@ fixture finalizer with ``asyncio.run``).
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import asyncio
 import hashlib
 import os
@@ -35,6 +37,8 @@ from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import MemoryStore, Store
 
 from .backends import BackendHarness
+
+DEFAULT_PORT = 5432
 
 __all__ = ["PostgresHarness", "table_prefix_for"]
 
@@ -81,6 +85,15 @@ class PostgresHarness(BackendHarness):
         self.backends.append(backend)
         self.backend = backend
         return backend
+
+    def server_address(self) -> tuple[str, int] | None:
+        parts = urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORT
+
+    def via(self, host: str, port: int) -> PostgresHarness:
+        twin = PostgresHarness(self.workdir, url=_with_address(self.url, host, port))
+        twin.table_prefix = self.table_prefix
+        return twin
 
     def kill_spec(self) -> tuple[Any, ...] | None:
         return ("postgres", self.url, self.table_prefix)
@@ -151,3 +164,9 @@ def provisioned(workdir: str | None = None) -> PostgresHarness:
         raise RuntimeError(f"backend 'postgres' needs a server: set {POSTGRES_URL_ENV}, or run it through pytest "
                            "(the plugin provisions one: --botmesh-postgres-url, else a private server)")
     return PostgresHarness(workdir, url=url)
+
+
+def _with_address(url: str, host: str, port: int) -> str:
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))

@@ -28,6 +28,8 @@ sockets of a backend that was left open on a finished loop.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import hashlib
 import os
 from typing import Any
@@ -37,6 +39,8 @@ from botmesh.core.spi import Capabilities
 from botmesh.core.store import MemoryStore, Store
 
 from .backends import BackendHarness
+
+DEFAULT_PORT = 6379
 
 __all__ = ["DEFAULT_URL", "RedisHarness", "prefix_for"]
 
@@ -96,6 +100,15 @@ class RedisHarness(BackendHarness):
             self.store = MemoryStore()
         return self._new_backend(), self.store
 
+    def server_address(self) -> tuple[str, int] | None:
+        parts = urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORT
+
+    def via(self, host: str, port: int) -> RedisHarness:
+        twin = RedisHarness(self.workdir, url=_with_address(self.url, host, port))
+        twin.prefix = self.prefix
+        return twin
+
     def kill_spec(self) -> tuple[Any, ...] | None:
         return ("redis", self.url, self.prefix)
 
@@ -149,3 +162,9 @@ def provisioned(workdir: str | None = None) -> RedisHarness:
                            "(the plugin provisions one: --botmesh-redis-url, else a private server)")
     run_prefix = os.environ.get(REDIS_PREFIX_ENV, "")
     return RedisHarness(workdir, url=url, run_prefix=f"{run_prefix}_" if run_prefix else "")
+
+
+def _with_address(url: str, host: str, port: int) -> str:
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))

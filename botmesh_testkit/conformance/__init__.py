@@ -11,6 +11,10 @@ package so that a third party certifies its backend in its own repository.
   every INB, OUT, LEASE, SCOPE and OPS requirement the backend contract makes checkable
   and the declared capabilities make applicable (survival of a crash, several processes
   on one storage), plus a few end-to-end checks through a ``Bot``.
+* :mod:`botmesh_testkit.conformance.faults` — :class:`ServerFaultConformance`, for
+  backends on a server: the backend reaches it through a
+  :class:`~botmesh_testkit.faultproxy.FaultProxy` (a write whose reply is lost, reset
+  connections, latency); skipped for harnesses without a ``server_address()``.
 
 Binding the kv suite takes three lines in a test module::
 
@@ -48,6 +52,7 @@ The tests carry ``@pytest.mark.spec(<ids>)``. The testkit's pytest plugin (entry
 from __future__ import annotations
 
 from .durability import DurabilityConformance, HarnessFactory
+from .faults import ServerFaultConformance
 from .kv import DurableKvConformance, KvFactory
 
-__all__ = ["DurabilityConformance", "DurableKvConformance", "HarnessFactory", "KvFactory"]
+__all__ = ["DurabilityConformance", "DurableKvConformance", "HarnessFactory", "KvFactory", "ServerFaultConformance"]

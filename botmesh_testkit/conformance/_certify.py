@@ -12,6 +12,7 @@ import pytest
 
 from ..backends import BackendHarness, resolve
 from .durability import DurabilityConformance
+from .faults import ServerFaultConformance
 from .kv import DurableKvConformance, KvFactory
 
 
@@ -29,3 +30,9 @@ class TestDurableKv(DurableKvConformance):
         if factory is None:
             pytest.skip(f"backend {botmesh_certified_backend} is not built on a DurableKv: the kv-level suite does not apply")
         return factory
+
+
+class TestServerFaults(ServerFaultConformance):
+    @pytest.fixture
+    def botmesh_harness_factory(self, botmesh_certified_backend: str) -> Callable[[str], BackendHarness]:
+        return resolve(botmesh_certified_backend)  # type: ignore[return-value]
