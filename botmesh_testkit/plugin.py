@@ -5,8 +5,10 @@ installed). Import-light: nothing heavy happens unless a ``--botmesh-*`` option 
 test items beside the project's own tests (``--botmesh-parts`` picks some):
 
 * ``suite`` — the durability-level conformance suite
-  (:mod:`botmesh_testkit.conformance.durability`) bound to each selected backend, and the
-  ``DurableKv``-level suite when the backend is built on a ``DurableKv``;
+  (:mod:`botmesh_testkit.conformance.durability`) bound to each selected backend, the
+  ``DurableKv``-level suite when the backend is built on a ``DurableKv``, and the
+  server-fault suite (:mod:`botmesh_testkit.conformance.faults`) when its storage is on
+  a server;
 * ``scenarios`` — the GUAR table as scenarios (``botmesh_testkit/scenarios/``), plus the
   folders given with ``--botmesh-scenarios`` / ini ``botmesh_scenarios``;
 * ``matrix`` — the crash matrix of the selected profile (``--botmesh-matrix``, default
@@ -458,7 +460,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                                                  nodeid=f"botmesh-services::{name}", reason=reason))
     only_cell = bool(config.getoption("--botmesh-cell"))
     if live and "suite" in parts and not only_cell:
-        added.extend(it for it in _suite_items(session) if _param_backend(it) in live)
+        local = {b for b in live if not _has_server(b)}
+        added.extend(it for it in _suite_items(session) if _param_backend(it) in live
+                     and not (_param_backend(it) in local and "::TestServerFaults::" in it.nodeid))
     if "scenarios" in parts and not only_cell:
         if live:
             added += _scenario_items(session, config, SHIPPED_DIR, live, "guar", base)
@@ -480,6 +484,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if backend is not None and ("botmesh_backend", backend) not in item.user_properties:
             item.user_properties.append(("botmesh_backend", backend))
     items.extend(added)
+
+
+def _has_server(backend: str) -> bool:
+    """Whether the backend's storage is on a server (the fault suite applies)."""
+    from .backends import resolve
+
+    with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+        return resolve(backend)(tmp).server_address() is not None
 
 
 def _param_backend(item: pytest.Item) -> str | None:
