@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from botmesh.core import Bot, Flow, MemoryStore, ProviderError, RateLimitedError
+from botmesh.core import Bot, Flow, MemoryDurability, MemoryStore, ProviderError, RateLimitedError
+from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.provider import (
     OutsideSessionWindowError,
     PayloadTooLargeError,
@@ -17,7 +18,7 @@ from botmesh.core.provider import (
     UnsupportedContentError,
 )
 from botmesh.core.testing import SimulatedCrash
-from botmesh_testkit.backends import BackendHarness
+from botmesh_testkit.backends import BackendHarness, MemoryHarness
 from botmesh_testkit.world import World
 
 spec = pytest.mark.spec
@@ -618,3 +619,45 @@ async def test_durable_bot_with_a_memory_store_and_persistent_flows_warns(tmp_pa
     assert any("persistent store" in r.getMessage() for r in caplog.records)
     await bot.stop()
     await backend.close()
+
+
+# -- INB-2 against a journal that fails under a send ----------------------------------------
+class _FailsOnceOnGet(MemoryDurability):
+    """``outbox_get`` of one key fails once, as a dropped connection does."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key, self.failed = key, False
+
+    async def outbox_get(self, scope: str, key: str) -> Any:
+        if key == self.key and not self.failed:
+            self.failed = True
+            raise BackendUnavailableError("connection reset under outbox_get")
+        return await super().outbox_get(scope, key)
+
+
+@spec("INB-2", "INB-5", "INB-9", "OUT-2")
+@pytest.mark.parametrize("failing_key", ["m1:2", "m1:1#2"], ids=["before-journaling-reply-2", "after-sending-reply-1"])
+async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(failing_key: str, tmp_path: Any) -> None:
+    """The journal fails under a handler's send — before the second reply was journaled,
+    or in the bookkeeping right after the first was sent (looking for its next part): the
+    handler is cut short, so the inbound record is not completed (INB-2) but retried with
+    backoff; the replay answers the first reply from the outbox and sends the second."""
+    backend = _FailsOnceOnGet(failing_key)
+
+    class Harness(MemoryHarness):
+        async def open(self) -> Any:
+            self.backend, self.store = backend, MemoryStore()
+            return self.backend, self.store
+
+    world = World(Harness(str(tmp_path)), setup=two_replies)
+    await world.start()
+    await world.receive("c1", "hi", id="m1")
+    assert backend.failed
+    assert [e["stage"] for e in world.named("error")] == ["handler"]
+    await world.drain()
+    assert world.channel.texts() == ["one:hi", "two:hi"]
+    rec = await world.bot.durability.inbox.get("m1")
+    assert (rec.state, rec.attempts) == ("done", 2)
+    assert world.bot.durability.metrics()["outbox_deduped"] == 1
+    await world.close()

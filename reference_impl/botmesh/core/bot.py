@@ -66,6 +66,9 @@ class Context:
         self.user = UserView(bot.store, event.user_id or event.chat_id)
         self._sends = 0
         self._flow_checkpoint: dict[str, Any] | None = None
+        self._durability_failed: BaseException | None = None
+        """Set when the journal failed under a send of this handler: the inbound record
+        is then retried with backoff, not completed (INB-2; INB-5's rules)."""
 
     async def reply(self, content: Any, *, idempotency_key: str | None = None) -> SendResult:
         """Send to this chat. Durable: journaled under ``<record id>:<n>`` unless a key

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from . import content as contentlib
 from .backend import DurabilityBackend
 from .config import DurabilityConfig
-from .errors import SendDeferredError, SendFailedError
+from .errors import DurabilityError, SendDeferredError, SendFailedError
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
 
@@ -317,6 +317,9 @@ class DurabilityRuntime:
                     await self._inbox_failed(record, exc)
                     return
                 await self.bot._run_handlers(ctx)  # INB-6: handler errors are reported there
+                if ctx._durability_failed is not None:  # INB-2: the handler's sends did not settle
+                    await self._inbox_failed(record, ctx._durability_failed)
+                    return
                 ok = await b.inbox_complete(scope, record.id, token=record.token, now=self._now(), expires_at=self._expires())
                 if not ok:
                     self._count("stale_leases")
@@ -507,31 +510,54 @@ class DurabilityRuntime:
             except contentlib.UnencodableContent as exc:
                 return await self._bypass(chat_id, content, str(exc))
             async with self._in_chat_order(chat_id):  # OUT-11
+                try:
+                    step = await self._record_send(chat_id, content, key, rule, fp, ctx)
+                    if isinstance(step, SendResult):
+                        return step
+                    rec, existed = step
+                    if existed:
+                        return await self._drive_existing(rec)
+                    return await self._inline(rec)
+                except DurabilityError as exc:
+                    # The journal failed under this send (before it was recorded, or in
+                    # the bookkeeping after it): the handler is cut short, so its later
+                    # sends never happened. The inbound record must not be completed as if
+                    # its effects had settled (INB-2): it is retried, and the replay is
+                    # answered from the outbox for every send already recorded.
+                    if ctx is not None:
+                        ctx._durability_failed = exc
+                    raise
+
+    async def _record_send(
+        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: Context | None
+    ) -> SendResult | tuple[OutboxRecord, bool]:
+        """Find or journal the outbox record of a send (OUT-1, OUT-2, OUT-5): the record
+        and whether it existed, or the result when nothing is to be sent now."""
+        existing = await self.backend.outbox_get(self.scope, key)
+        if existing is not None and rule == "derived" and existing.fingerprint != fp:  # OUT-5
+            self._count("outbox_diverged")
+            log.warning(
+                "outbox %r: a replay produced other content than the recorded send (on_diverged=%s)",
+                key, self.config.outbox.on_diverged,
+            )
+            if self.config.outbox.on_diverged == "send":
+                key = f"{key}~{fp[:12]}"
                 existing = await self.backend.outbox_get(self.scope, key)
-                if existing is not None and rule == "derived" and existing.fingerprint != fp:  # OUT-5
-                    self._count("outbox_diverged")
-                    log.warning(
-                        "outbox %r: a replay produced other content than the recorded send (on_diverged=%s)",
-                        key, self.config.outbox.on_diverged,
-                    )
-                    if self.config.outbox.on_diverged == "send":
-                        key = f"{key}~{fp[:12]}"
-                        existing = await self.backend.outbox_get(self.scope, key)
-                if existing is not None:
-                    return await self._drive_existing(existing)
-                prepared = await self.bot._run_before_send(chat_id, content)
-                if prepared is None:
-                    return SendResult(None, key, state="cancelled")
-                encoded = await self._encode_or_bypass(chat_id, prepared)
-                if isinstance(encoded, SendResult):
-                    return encoded
-                rec = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
-                if rec.state != "sending":
-                    claim = await self._claim_send(key, recover=False)
-                    if claim is None:
-                        return SendResult(None, key, state="pending")
-                    rec = claim[0]
-                return await self._inline(rec)
+        if existing is not None:
+            return existing, True
+        prepared = await self.bot._run_before_send(chat_id, content)
+        if prepared is None:
+            return SendResult(None, key, state="cancelled")
+        encoded = await self._encode_or_bypass(chat_id, prepared)
+        if isinstance(encoded, SendResult):
+            return encoded
+        rec = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
+        if rec.state != "sending":
+            claim = await self._claim_send(key, recover=False)
+            if claim is None:
+                return SendResult(None, key, state="pending")
+            rec = claim[0]
+        return rec, False
 
     async def _journal_new(
         self, key: str, rule: str, chat_id: str, encoded: dict[str, Any], fp: str, ctx: Context | None, *, origin: str
