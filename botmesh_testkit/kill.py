@@ -1895,7 +1895,7 @@ class KillLoop:
 # Replicas
 # =========================================================================================
 class Replicas:
-    """Several children on one shared backend (SQLite now; PostgreSQL, Redis), each with
+    """Several children on one shared backend (SQLite, PostgreSQL, Redis), each with
     its own ``instance_id``, driven by hand::
 
         with Replicas(("sqlite", db), handler, workdir=tmp) as r:
