@@ -35,7 +35,7 @@ def test_matrix_runs_as_items_with_a_summary(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=result.parseoutcomes()["passed"], skipped=4)
     assert result.parseoutcomes()["passed"] > 300
     result.stdout.fnmatch_lines(["*capability not claimed: survives_crash*"])
-    result.stdout.fnmatch_lines(["*botmesh: backends memory; parts suite, scenarios, matrix; matrix smoke; seed 4*",
+    result.stdout.fnmatch_lines(["*botmesh: backends memory; parts suite, scenarios, matrix, kills; matrix smoke; seed 4*",
                                  "*botmesh durability report*",
                                  "memory: suite * passed, 0 failed, 4 skipped; scenarios 10 passed, 0 failed; "
                                  "matrix * passed, 0 failed",

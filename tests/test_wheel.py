@@ -198,11 +198,8 @@ def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path) -> None:
     assert listed and _under(listed.group(1), site), f"pytest does not load the plugin from the wheel:\n{plugins}"
 
     # -- (2) the shipped suite, scenarios and smoke matrix pass from the wheel ----------
-    parts = ["suite", "scenarios", "matrix"]
+    parts = ["suite", "scenarios", "matrix", "kills"]
     args = ["--botmesh-backend=sqlite", "--botmesh-seed=1", "-q", "-rfE"]
-    if "botmesh_testkit/conformance/durability.py" not in names:
-        parts.remove("suite")
-        args.append("--botmesh-parts=scenarios,matrix")
     run = _run([*pytest_cmd, *args], cwd=empty, env=env, timeout=RUN_TIMEOUT)
     output = run.stdout + run.stderr
     assert run.returncode == 0, f"pytest from the wheel exited {run.returncode}:\n{output[-8000:]}"
