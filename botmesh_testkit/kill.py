@@ -250,7 +250,17 @@ def _callable_repr(fn: Any) -> str:
 
 
 def _spec_repr(spec: BackendSpec) -> str:
-    return "(" + ", ".join(_callable_repr(x) if callable(x) else repr(x) for x in spec) + ("," if len(spec) == 1 else "") + ")"
+    """The spec for a report: callables by name, server URLs without their password."""
+    from .services import redact_url
+
+    def one(x: Any) -> str:
+        if callable(x):
+            return _callable_repr(x)
+        if isinstance(x, str) and "://" in x:
+            return repr(redact_url(x))
+        return repr(x)
+
+    return "(" + ", ".join(one(x) for x in spec) + ("," if len(spec) == 1 else "") + ")"
 
 
 async def read_journal(spec: BackendSpec, scope: str = SCOPE) -> tuple[list[InboxRecord], list[OutboxRecord]]:

@@ -83,8 +83,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run only this crash cell (BACKEND/WORKLOAD/POLICY/WHEN:POINT#N)")
     group.addoption("--botmesh-cell-timeout", type=float, default=None, metavar="SECONDS",
                     help=f"real-time budget of one crash cell (default {DEFAULT_CELL_TIMEOUT:g})")
-    group.addoption("--botmesh-require-services", action="store_true", default=False,
-                    help="fail (instead of skipping) when a PostgreSQL or Redis server cannot be provisioned")
+    group.addoption("--botmesh-require-services", action="store_true",
+                    default=os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"),
+                    help="fail (instead of skipping) when a PostgreSQL or Redis server cannot be provisioned "
+                         "(default: on when $BOTMESH_REQUIRE_SERVICES is set, as .ci/run does)")
     group.addoption("--botmesh-postgres-url", default=None, metavar="URL",
                     help="PostgreSQL server for the postgres backend (else $BOTMESH_POSTGRES_URL, else a private server)")
     group.addoption("--botmesh-redis-url", default=None, metavar="URL",
@@ -119,7 +121,7 @@ def pytest_configure(config: pytest.Config) -> None:
         load_profile(matrix)
     except ProfileError as exc:
         raise _usage("--botmesh-matrix", str(exc)) from None
-    parts = _parts(config)
+    _parts(config)  # validates --botmesh-parts
     cell = config.getoption("--botmesh-cell")
     if cell:
         from .matrix import Cell
@@ -137,7 +139,6 @@ def pytest_configure(config: pytest.Config) -> None:
     for folder in _scenario_dirs(config):
         if not folder.is_dir():
             raise _usage("--botmesh-scenarios", f"{str(folder)!r} is not a directory")
-    del parts
     seed = config.getoption("--botmesh-seed")
     config.stash[SEED_KEY] = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     config.stash[RESULTS_KEY] = []
@@ -166,6 +167,17 @@ def _provision_services(config: pytest.Config) -> None:
         return
     from . import services
 
+    saved = {k: os.environ.get(k) for k in (services.POSTGRES_URL_ENV, services.REDIS_URL_ENV,
+                                              services.REDIS_PREFIX_ENV, *map(_unavailable_env, wanted))}
+
+    def restore() -> None:  # the run's database/prefix is gone after it: do not leave them in the environment
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    config.add_cleanup(restore)
     require = bool(config.getoption("--botmesh-require-services"))
     for name in wanted:
         url = config.getoption(f"--botmesh-{name}-url")
@@ -571,7 +583,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section("botmesh durability report")
     write(f"seed {seed} (rerun the same cells with --botmesh-seed={seed})")
     for name, reason in skips.items():
-        write(f"{name}: SKIPPED — {reason}")
+        write(f"{name}: SKIPPED — {reason.removeprefix(name + ': ')}")
     if not results:
         write("no botmesh items ran")
         return

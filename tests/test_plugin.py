@@ -205,3 +205,28 @@ def test_the_profile_kill_loops_run_as_items(pytester: pytest.Pytester) -> None:
     pytester.makefile(".toml", bad="kills = -1\n")
     bad = pytester.runpytest_subprocess("--botmesh-backend=sqlite", "--botmesh-matrix=bad.toml")
     bad.stderr.fnmatch_lines(["*--botmesh-matrix: bad.toml: kills must be an integer >= 0, got -1*"])
+
+
+@pytest.mark.spec("BACK-2", "BACK-3")
+def test_a_server_that_cannot_be_provisioned_skips_or_fails_when_required(pytester: pytest.Pytester,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """No server: the backend's items are one skip saying what was tried; under
+    --botmesh-require-services (or $BOTMESH_REQUIRE_SERVICES, which .ci/run sets) a usage
+    error; a given URL that does not answer is always an error."""
+    monkeypatch.delenv("BOTMESH_REDIS_URL", raising=False)
+    monkeypatch.delenv("BOTMESH_REQUIRE_SERVICES", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no redis-server binary to start a private server from
+    args = ("-p", "no:cacheprovider", "--botmesh-backend=redis", "--botmesh-parts=suite", "-rs")
+    skipped = pytester.runpytest_subprocess(*args)
+    skipped.assert_outcomes(skipped=1)
+    skipped.stdout.fnmatch_lines(["redis: SKIPPED — no server could be provisioned (no redis server for the tests; tried:",
+                                  "*2. private: no redis-server on PATH*"])
+    required = pytester.runpytest_subprocess(*args, "--botmesh-require-services")
+    assert required.ret == pytest.ExitCode.USAGE_ERROR
+    required.stderr.fnmatch_lines(["*--botmesh-backend=redis: *"])
+    monkeypatch.setenv("BOTMESH_REQUIRE_SERVICES", "1")
+    by_env = pytester.runpytest_subprocess(*args)
+    assert by_env.ret == pytest.ExitCode.USAGE_ERROR
+    monkeypatch.delenv("BOTMESH_REQUIRE_SERVICES")
+    dead = pytester.runpytest_subprocess(*args, "--botmesh-redis-url=redis://127.0.0.1:1/0")
+    assert dead.ret == pytest.ExitCode.USAGE_ERROR
