@@ -28,6 +28,13 @@ policy when ``policies`` is given (then ``s.policy`` is it, and it is the bot's
 ``outbox.on_ambiguous``). The scenarios shipped in ``botmesh_testkit/scenarios/`` — one
 file per row of the GUAR table — run whenever ``--botmesh-backend`` is given.
 
+With ``@scenario(..., crash="every")`` the runner chooses where the first incarnation
+dies: a crash-free dry run of the scenario (at collection) records the crash points it
+passes, and the scenario becomes one item per point, before and after each
+(``name[sqlite-after:outbox.mark_sent#1]``); ``crash="random", count=N, seed=S`` draws N
+of them. Such a scenario calls ``s.start()`` without crash arguments and
+``await s.recover()`` where the story goes on (restart if it died, redeliver, drain).
+
 A failing expectation raises :class:`ScenarioFailure`; the report names the scenario's
 spec ids, the crash point and the crash points passed, what the channel delivered, the
 events, and the command that reruns the item. ``requires=("survives_crash",)`` skips
@@ -61,7 +68,7 @@ from .backends import BackendHarness, resolve
 from .matrix import compress
 from .world import World
 
-__all__ = ["Scenario", "ScenarioFailure", "ScenarioSpec", "scenario", "DRAIN_MS"]
+__all__ = ["CrashPoint", "DRAIN_MS", "Scenario", "ScenarioFailure", "ScenarioSpec", "scenario"]
 
 DRAIN_MS = 150_000.0
 """Default virtual time :meth:`Scenario.drain` lets pass: past every default retry and
@@ -79,6 +86,9 @@ class ScenarioSpec:
     policies: tuple[str, ...] | None
     requires: tuple[str, ...]
     timeout: float
+    crash: str | None = None
+    count: int = 0
+    seed: int | None = None
 
     @property
     def name(self) -> str:
@@ -94,12 +104,20 @@ def scenario(
     policies: Sequence[str] | None = None,
     requires: Sequence[str] = (),
     timeout: float = 60.0,
+    crash: str | None = None,
+    count: int = 10,
+    seed: int | None = None,
 ) -> Callable[[Callable[[Scenario], Awaitable[None]]], Callable[[Scenario], Awaitable[None]]]:
     """Mark ``async def f(s: Scenario)`` as a scenario checking ``spec_ids``.
 
     ``policies`` — run once per ``outbox.on_ambiguous`` policy (``"skip"``,
     ``"resend"``). ``requires`` — capabilities the backend must claim (else skipped).
     ``timeout`` — real seconds before the run is failed (a backend that hangs).
+    ``crash`` — let the runner choose where the first incarnation dies: ``"every"``
+    (one item per crash point a crash-free dry run of the scenario passes, before and
+    after each) or ``"random"`` (``count`` items dying at the n-th point, drawn from
+    ``seed``, else from ``--botmesh-seed``). The scenario then calls ``s.start()``
+    without crash arguments and ``await s.recover()`` where the story goes on.
     """
     if not spec_ids or not all(isinstance(i, str) and "-" in i for i in spec_ids):
         raise ValueError(f"@scenario needs spec ids like 'GUAR-3', got {spec_ids!r}")
@@ -109,15 +127,78 @@ def scenario(
     unknown = [c for c in requires if c not in CAPABILITIES]
     if unknown:
         raise ValueError(f"@scenario requires: unknown capability {unknown!r}; known: {', '.join(CAPABILITIES)}")
+    if crash not in (None, "every", "random"):
+        raise ValueError(f"@scenario crash={crash!r}: choose None, 'every' or 'random'")
+    if crash == "random" and (not isinstance(count, int) or count < 1):
+        raise ValueError(f"@scenario count={count!r}: a positive number of random crash points")
 
     def mark(fn: Callable[[Scenario], Awaitable[None]]) -> Callable[[Scenario], Awaitable[None]]:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError(f"@scenario: {fn.__qualname__} must be an 'async def' function")
         fn.__botmesh_scenario__ = ScenarioSpec(  # type: ignore[attr-defined]
-            fn, tuple(spec_ids), tuple(policies) if policies else None, tuple(requires), float(timeout))
+            fn, tuple(spec_ids), tuple(policies) if policies else None, tuple(requires), float(timeout),
+            crash, count, seed)
         return fn
 
     return mark
+
+
+@dataclass(frozen=True)
+class CrashPoint:
+    """Where the runner kills a scenario's first incarnation: ``when`` ("before" /
+    "after") the ``nth`` call of ``op`` — or, with ``op == "*"``, the ``nth`` crash point
+    passed, whatever it is."""
+
+    when: str
+    op: str
+    nth: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.when}:{self.op}#{self.nth}" if self.op != "*" else f"random-{self.when}#{self.nth}"
+
+    def arm(self, cb: Any) -> None:
+        if self.op == "*":
+            cb.crash_at(self.nth, self.when)
+        elif self.when == "before":
+            cb.crash_before(self.op, self.nth)
+        else:
+            cb.crash_after(self.op, self.nth)
+
+
+def crash_points_of(spec: ScenarioSpec, passed: list[str], raised: set[tuple[str, int]], seed: int) -> list[CrashPoint]:
+    """The items of a ``crash="every"|"random"`` scenario, from its dry run."""
+    import random
+
+    if spec.crash == "random":
+        rng = random.Random(f"{spec.seed if spec.seed is not None else seed}/{spec.name}")
+        return [CrashPoint(rng.choice(("before", "after")), "*", rng.randint(1, len(passed)))
+                for _ in range(spec.count)] if passed else []
+    seen: dict[str, int] = {}
+    points: list[CrashPoint] = []
+    for op in passed:
+        seen[op] = seen.get(op, 0) + 1
+        points.append(CrashPoint("before", op, seen[op]))
+        if (op, seen[op]) not in raised:
+            points.append(CrashPoint("after", op, seen[op]))
+    return points
+
+
+def dry_run(spec: ScenarioSpec, backend: str, policy: str | None) -> tuple[list[str], set[tuple[str, int]]]:
+    """Run the scenario once without a crash, recording the crash points its first
+    incarnation passes; raises what the scenario raised."""
+    with tempfile.TemporaryDirectory(prefix="botmesh-scenario-dry-") as tmp:
+        s = Scenario(resolve(backend)(tmp), backend=backend, ids=spec.ids, policy=policy, record_points=True)
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(spec.fn(s), spec.timeout)
+            finally:
+                s._remember_crash()
+                await s.world.close()
+
+        asyncio.run(run())
+        return s.points_passed, s.points_raised
 
 
 class ScenarioFailure(AssertionError):
@@ -136,8 +217,15 @@ class Scenario:
     """The world a scenario runs in. See the module docstring for an example."""
 
     def __init__(self, harness: BackendHarness, *, backend: str, ids: Sequence[str], policy: str | None = None,
-                 instance_id: str = "i1", seed: int = 0) -> None:
+                 instance_id: str = "i1", seed: int = 0, point: CrashPoint | None = None,
+                 record_points: bool = False) -> None:
         self.harness = harness
+        self.point = point
+        """Where the runner makes the first incarnation die (``crash="every"|"random"``)."""
+        self._record_points = record_points
+        self.points_passed: list[str] = []
+        self.points_raised: set[tuple[str, int]] = set()
+        self._received: list[tuple[str, str, str, dict[str, Any]]] = []
         self.backend = backend
         self.ids = tuple(ids)
         self.policy = policy
@@ -185,11 +273,20 @@ class Scenario:
         armed = [x for x in (crash_before, crash_after, crash_at) if x is not None]
         if len(armed) > 1:
             raise ValueError("start(): give at most one of crash_before, crash_after, crash_at")
+        first = self.world.incarnations == 0
+        auto = first and (self.point is not None or self._record_points)
+        if armed and (self.point is not None or self._record_points):
+            raise ValueError("start(): this scenario's crash points are chosen by the runner (@scenario(crash=...)); "
+                             "call s.start() without crash arguments")
         if self.world.bot is not None:
             await self.world.bot.abandon()
-        bot = await self.world.start(crash=bool(armed), **durability)
+        bot = await self.world.start(crash=bool(armed) or auto, **durability)
         cb = self.world.crashable
-        if cb is not None:
+        if auto and cb is not None:
+            self._first = cb
+            if self.point is not None:
+                self.point.arm(cb)
+        if cb is not None and not auto:
             if crash_before is not None:
                 cb.crash_before(*_point(crash_before))
             elif crash_after is not None:
@@ -206,10 +303,25 @@ class Scenario:
         return await self.start(**kwargs)
 
     async def receive(self, chat_id: str, text: str = "", *, id: str, **kw: Any) -> bool:
-        """The channel delivers an inbound message; False when the bot died taking it."""
+        """The channel delivers an inbound message; False when the bot died taking it (or
+        was already dead)."""
+        self._received.append((chat_id, text, id, kw))
+        if self.crashed:
+            return False
         ok = await self.world.receive(chat_id, text, id=id, **kw)
         self._remember_crash()
         return ok
+
+    async def recover(self, within_ms: float = DRAIN_MS) -> None:
+        """What the outside world does after a death, then time: if the current bot
+        died, start the next one and let the channel redeliver every message it had
+        delivered, in order (webhooks redeliver until acknowledged; a duplicate is
+        recognised, INB-4); then :meth:`drain`. Without a death it only drains."""
+        if self.crashed:
+            await self.restart()
+            for chat_id, text, id, kw in list(self._received):
+                await self.world.receive(chat_id, text, id=id, **kw)
+        await self.drain(within_ms)
 
     async def drain(self, within_ms: float = DRAIN_MS) -> None:
         """Let virtual time run until every record is settled (or ``within_ms``)."""
@@ -225,6 +337,10 @@ class Scenario:
         if cb is not None and cb.crashed:
             self.last_crash = cb.crash_point
             self.last_history = list(cb.history)
+        first = getattr(self, "_first", None)
+        if first is not None:
+            self.points_passed = list(first.history)
+            self.points_raised = set(first.raised)
 
     # -- what happened -------------------------------------------------------------------
     @property
@@ -346,10 +462,11 @@ def scenarios_of(module: Any) -> list[ScenarioSpec]:
 class ScenarioFile(pytest.File):
     """A scenario file; its items are ``scenario[backend(-policy)]``."""
 
-    def __init__(self, *, backends: Sequence[str], rerun: str, **kwargs: Any) -> None:
+    def __init__(self, *, backends: Sequence[str], rerun: str, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.backends = list(backends)
         self.rerun = rerun
+        self.seed = seed
 
     def collect(self) -> Iterator[pytest.Item]:
         try:
@@ -363,30 +480,55 @@ class ScenarioFile(pytest.File):
             for backend in self.backends:
                 for policy in spec.policies or (None,):
                     suffix = backend if policy is None else f"{backend}-{policy}"
-                    yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}]", spec=spec,
-                                                   backend=backend, policy=policy)
+                    if spec.crash is None or not self._claims(backend, spec.requires):
+                        yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}]", spec=spec,
+                                                       backend=backend, policy=policy)
+                        continue
+                    try:
+                        passed, raised = dry_run(spec, backend, policy)
+                    except BaseException as exc:  # the scenario fails without any crash
+                        yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}-dry-run]", spec=spec,
+                                                       backend=backend, policy=policy, dry_error=exc)
+                        continue
+                    for point in crash_points_of(spec, passed, raised, self.seed):
+                        yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}-{point.label}]", spec=spec,
+                                                       backend=backend, policy=policy, point=point)
+
+    @staticmethod
+    def _claims(backend: str, requires: Sequence[str]) -> bool:
+        if not requires:
+            return True
+        with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+            caps = resolve(backend)(tmp).capabilities
+        return all(getattr(caps, c, False) for c in requires)
 
 
 class ScenarioItem(pytest.Item):
     """One scenario on one backend (and policy)."""
 
-    def __init__(self, *, spec: ScenarioSpec, backend: str, policy: str | None, **kwargs: Any) -> None:
+    def __init__(self, *, spec: ScenarioSpec, backend: str, policy: str | None, point: CrashPoint | None = None,
+                 dry_error: BaseException | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
         self.backend = backend
         self.policy = policy
+        self.point = point
+        self.dry_error = dry_error
         self.scenario: Scenario | None = None
         self.add_marker(pytest.mark.spec(*spec.ids))
         self.user_properties.append(("botmesh_backend", backend))
 
     def runtest(self) -> None:
         spec = self.spec
+        if self.dry_error is not None:
+            raise ScenarioFailure(f"[{', '.join(spec.ids)}] the crash-free dry run (which finds the crash points) "
+                                  f"failed: {self.dry_error!r}") from self.dry_error
         with tempfile.TemporaryDirectory(prefix="botmesh-scenario-") as tmp:
             harness = resolve(self.backend)(tmp)
             missing = [c for c in spec.requires if not getattr(harness.capabilities, c, False)]
             if missing:
                 pytest.skip(f"capability not claimed: {', '.join(missing)} (backend {self.backend})")
-            self.scenario = Scenario(harness, backend=self.backend, ids=spec.ids, policy=self.policy)
+            self.scenario = Scenario(harness, backend=self.backend, ids=spec.ids, policy=self.policy, point=self.point)
 
             async def run() -> None:
                 assert self.scenario is not None
@@ -404,6 +546,8 @@ class ScenarioItem(pytest.Item):
         head = f"scenario {self.path.name}::{self.spec.name} on {self.backend}"
         if self.policy:
             head += f" (on_ambiguous={self.policy})"
+        if self.point is not None:
+            head += f", dying at {self.point.label}"
         lines = [f"{head} checks {', '.join(self.spec.ids)}"]
         if isinstance(excinfo.value, AssertionError):
             lines.append(f"  FAILED: {excinfo.value}")

@@ -117,3 +117,76 @@ def test_the_decorator_refuses_bad_arguments() -> None:
         scenario("GUAR-3", requires=["durable"])
     with pytest.raises(TypeError, match="must be an 'async def' function"):
         scenario("GUAR-3")(lambda s: None)  # type: ignore[arg-type,return-value]
+
+
+REMINDER = '''
+from botmesh_testkit.scenario import scenario
+
+
+@scenario("OUT-10", "OUT-14", "GUAR-2", crash="every", policies=["skip"])
+async def a_reminder_is_never_sent_twice(s):
+    @s.on_message
+    async def schedule(ctx):
+        await ctx.bot.enqueue(ctx.chat_id, f"reminder for {ctx.text}", idempotency_key=f"reminder:{ctx.text}")
+
+    await s.start()                              # the runner arms one crash point per item
+    await s.receive("c1", "invoice-7", id="m1")
+    await s.recover()                            # restart, redelivery and drain if it died
+    sent = s.delivered().count("reminder for invoice-7")
+    s.expect(sent <= 1, f"the reminder went out {sent} times")
+    s.expect(sent == 1 or s.events("durability:ambiguous"), "the reminder was lost without an ambiguity event")
+
+
+@scenario("OUT-10", crash="random", count=3, seed=7)
+async def random_deaths(s):
+    @s.on_message
+    async def schedule(ctx):
+        await ctx.reply("ok")
+
+    await s.start()
+    await s.receive("c1", "x", id="m1")
+    await s.recover()
+    s.expect(s.delivered() in (["ok"], []), f"delivered {s.delivered()}")
+'''
+
+
+OVERWRITES = '''
+from botmesh.core.spi import KvDurability, MemoryKv
+
+_STORES = {}
+
+
+class Overwrites(KvDurability):
+    """Forgets that a claimed send was in flight (reports its previous state as
+    pending): a send interrupted by a death goes out again, unannounced."""
+
+    async def outbox_claim(self, scope, key, **kwargs):
+        claimed = await super().outbox_claim(scope, key, **kwargs)
+        return None if claimed is None else (claimed[0], "pending")
+
+
+def make(workdir):
+    return Overwrites(_STORES.setdefault(workdir, MemoryKv()), own_kv=False)
+'''
+
+
+@pytest.mark.spec("OUT-10", "OUT-14", "GUAR-2", "TEST-4")
+def test_a_scenario_can_die_at_every_point_or_at_random_ones(pytester: pytest.Pytester) -> None:
+    """``crash="every"``: one item per crash point the dry run passed, before and after;
+    ``crash="random"``: ``count`` items drawn from the seed. A backend that forgets sends
+    fails some of those items, named by their point."""
+    pytester.mkdir("stories")
+    (pytester.path / "stories" / "reminder.py").write_text(REMINDER)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-scenarios=stories", "-v")
+    assert result.ret == 0, result.stdout.str()
+    outcomes = result.parseoutcomes()
+    assert outcomes["passed"] > 10, outcomes
+    result.stdout.fnmatch_lines(["*a_reminder_is_never_sent_twice[[]sqlite-skip-before:inbox.journal#1[]] PASSED*"])
+    result.stdout.fnmatch_lines(["*a_reminder_is_never_sent_twice[[]sqlite-skip-after:outbox.mark_sent#1[]] PASSED*"])
+    result.stdout.fnmatch_lines(["*random_deaths[[]sqlite-random-*#*[]] PASSED*"])
+    pytester.makepyfile(overwrites=OVERWRITES)
+    bad = pytester.runpytest_subprocess(*RUN, "--botmesh-scenarios=stories", "--botmesh-backend=overwrites:make",
+                                        "--botmesh-parts=scenarios", "-k", "never_sent_twice")
+    assert bad.ret == pytest.ExitCode.TESTS_FAILED
+    bad.stdout.fnmatch_lines(["*on overwrites:make (on_ambiguous=skip), dying at *:* checks OUT-10, OUT-14, GUAR-2*",
+                              "*the reminder went out 2 times*"])
