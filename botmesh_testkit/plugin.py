@@ -439,7 +439,7 @@ def _scenario_items(session: pytest.Session, config: pytest.Config, folder: Path
     items: list[pytest.Item] = []
     for path in scenario_files(folder):
         node = ScenarioFile.from_parent(session, path=path, nodeid=f"botmesh-scenarios/{label}/{path.name}",
-                                        backends=backends, rerun=rerun)
+                                        backends=backends, rerun=rerun, seed=config.stash[SEED_KEY])
         items.extend(session.genitems(node))
     return items
 
