@@ -5,7 +5,8 @@
   embedded default backend (SQLite) or ``--backend NAME`` (repeatable), printing the
   plugin's summary of requirement ids held and broken and items passed/failed; exit
   status 1 when something failed, 2 on bad arguments. ``--cell ID`` reruns one cell (the
-  command a failing cell prints); ``--junitxml PATH`` writes a JUnit report for CI.
+  command a failing cell prints); ``--junitxml PATH`` writes a JUnit report for CI;
+  ``--report PATH`` the certification report (JSON, or Markdown for ``.md``).
 * ``botmesh-testkit points`` — the catalogue of crash points and the spec ids each one
   exercises.
 """
@@ -103,6 +104,8 @@ def _run(args: argparse.Namespace) -> int:
             argv.append(f"--botmesh-scenarios={folder}")
         if args.junitxml:
             argv.append(f"--junitxml={args.junitxml}")
+        if args.report:
+            argv.append(f"--botmesh-report={Path(args.report).absolute()}")
         if args.jobs:
             argv += ["-n", str(args.jobs)]
         if args.require_services:
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--parts", metavar="LIST", help="comma-separated parts: suite, scenarios, matrix (default: all)")
     run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
     run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
+    run.add_argument("--report", metavar="PATH",
+                     help="write the certification report: JSON, or Markdown when PATH ends in .md")
     run.add_argument("-n", "--jobs", type=int, metavar="N", help="run on N processes (pytest-xdist)")
     run.add_argument("--require-services", action="store_true",
                      help="fail when a postgres/redis server cannot be provisioned instead of skipping")

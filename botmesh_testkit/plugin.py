@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 SEED_KEY = pytest.StashKey[int]()
 RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]]]()
 KILL_REPORTS_KEY = pytest.StashKey[list[tuple[str, list[str]]]]()
+SKIP_REASONS_KEY = pytest.StashKey[list[tuple[str, str, str]]]()  # (backend, part, reason) of skipped items
+REPORT_PATH_KEY = pytest.StashKey[Path]()
+REPORT_WRITTEN_KEY = pytest.StashKey[str]()  # the summary's line about the report file
 PARTS = ("suite", "scenarios", "matrix", "kills")
 DEFAULT_BACKEND = "sqlite"
 DEFAULT_CELL_TIMEOUT = 120.0
@@ -91,6 +94,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="PostgreSQL server for the postgres backend (else $BOTMESH_POSTGRES_URL, else a private server)")
     group.addoption("--botmesh-redis-url", default=None, metavar="URL",
                     help="Redis server for the redis backend (else $BOTMESH_REDIS_URL, else a private server)")
+    group.addoption("--botmesh-report", default=None, metavar="PATH",
+                    help="write the certification report to PATH after the run: JSON, or Markdown when PATH ends in .md")
+    parser.addini("botmesh_report", "certification report file (relative to the ini file; .md: Markdown, else JSON)",
+                  default="")
     parser.addini("botmesh_backend", "default backends (space separated)", type="args", default=[])
     parser.addini("botmesh_matrix", "default crash matrix profile", default="smoke")
     parser.addini("botmesh_scenarios", "scenario folders to run (relative to the ini file)", type="paths", default=[])
@@ -139,10 +146,21 @@ def pytest_configure(config: pytest.Config) -> None:
     for folder in _scenario_dirs(config):
         if not folder.is_dir():
             raise _usage("--botmesh-scenarios", f"{str(folder)!r} is not a directory")
+    _report_path(config)  # validates --botmesh-report / botmesh_report
     seed = config.getoption("--botmesh-seed")
+    worker_seed = getattr(config, "workerinput", {}).get("botmesh_seed")
+    if seed is None and worker_seed is not None:
+        seed = int(worker_seed)  # an xdist worker draws the cells of the controller's seed
     config.stash[SEED_KEY] = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     config.stash[RESULTS_KEY] = []
     _provision_services(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist: every worker takes the controller's seed, so that all of them
+    collect the same random cells (xdist requires identical collections)."""
+    node.workerinput["botmesh_seed"] = node.config.stash[SEED_KEY]
 
 
 def _provision_services(config: pytest.Config) -> None:
@@ -200,6 +218,22 @@ def _provision_services(config: pytest.Config) -> None:
 
 def _unavailable_env(name: str) -> str:
     return f"BOTMESH_{name.upper()}_UNAVAILABLE"
+
+
+def _report_path(config: pytest.Config) -> None:
+    """Validate the report file (``--botmesh-report``, relative to the current directory,
+    else the ini ``botmesh_report``, relative to the ini file) and keep it in the stash."""
+    given = config.getoption("--botmesh-report")
+    option, raw = ("--botmesh-report", given) if given else ("botmesh_report (ini)", config.getini("botmesh_report"))
+    if not raw:
+        return
+    base = config.invocation_params.dir if given else (config.inipath.parent if config.inipath else config.rootpath)
+    path = (Path(base) / Path(raw).expanduser()).absolute()
+    if path.is_dir():
+        raise _usage(option, f"{raw!r} is a directory; give a file path (.json, or .md for Markdown)")
+    if not path.parent.is_dir():
+        raise _usage(option, f"the directory of {raw!r} ({str(path.parent)!r}) does not exist")
+    config.stash[REPORT_PATH_KEY] = path
 
 
 _SKIPS_KEY = pytest.StashKey[dict[str, str]]()
@@ -558,6 +592,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             config.stash[RESULTS_KEY].append((str(backend), _part_of(report.nodeid), outcome, spec, violated))
             if "botmesh_kill_report" in props:
                 config.stash.setdefault(KILL_REPORTS_KEY, []).append((str(backend), list(props["botmesh_kill_report"])))
+            if outcome == "skipped":
+                from .report import _skip_reason
+
+                config.stash.setdefault(SKIP_REASONS_KEY, []).append(
+                    (str(backend), _part_of(report.nodeid), _skip_reason(report.longrepr)))
 
 
 _CONFIG: list[pytest.Config] = []
@@ -568,16 +607,38 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _CONFIG[:] = [session.config]
 
 
-def _id_key(s: str) -> tuple[str, int]:
-    prefix, _, num = s.partition("-")
-    return prefix, int(num) if num.isdigit() else 0
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the certification report (``--botmesh-report``), on the controller only: an
+    xdist worker saw only its own items."""
+    config = session.config
+    path = config.stash.get(REPORT_PATH_KEY, None)
+    if path is None or hasattr(config, "workerinput"):
+        return
+    from .report import write_report
+
+    try:
+        write_report(config, path, exitstatus)
+    except Exception as exc:  # the run's outcome stands; say loudly that the file is missing
+        config.stash[REPORT_WRITTEN_KEY] = f"botmesh report NOT written to {path}: {type(exc).__name__}: {exc}"
+    else:
+        config.stash[REPORT_WRITTEN_KEY] = f"botmesh report written to {path}"
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    _durability_summary(terminalreporter, config)
+    line = config.stash.get(REPORT_WRITTEN_KEY, None)
+    if line is not None:
+        terminalreporter.write_line(line, red=" NOT " in line)
+
+
+def _durability_summary(terminalreporter: Any, config: pytest.Config) -> None:
     results = config.stash.get(RESULTS_KEY, [])
     skips = config.stash.get(_SKIPS_KEY, {})
     if not _selected(config) and not results:
         return
+    from .report import held_and_broken
+
     seed = config.stash[SEED_KEY]
     write = terminalreporter.write_line
     terminalreporter.section("botmesh durability report")
@@ -607,21 +668,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         write(f"{backend}: " + "; ".join(counts))
         for line in kill_lines.get(backend, []):
             write(f"  {line}")
-        exercised: dict[str, int] = defaultdict(int)
-        broken: dict[str, int] = defaultdict(int)
-        for _, _, outcome, spec, violated in rows:
-            if outcome == "skipped":
-                continue
-            for i in spec:
-                exercised[i] += 1
-            for i in violated:
-                exercised[i] += 0
-                broken[i] += 1
-        held = [i for i in sorted(exercised, key=_id_key) if not broken.get(i)]
+        held, broken = held_and_broken(rows)
         if held:
             write(f"  held ({len(held)}): {', '.join(held)}")
         if broken:
-            write(f"  BROKEN ({len(broken)}): " + ", ".join(f"{i} in {broken[i]} item(s)" for i in sorted(broken, key=_id_key)))
+            write(f"  BROKEN ({len(broken)}): " + ", ".join(f"{i} in {n} item(s)" for i, n in broken.items()))
 
 
 # --------------------------------------------------------------------------------------

@@ -230,3 +230,13 @@ def test_a_server_that_cannot_be_provisioned_skips_or_fails_when_required(pytest
     monkeypatch.delenv("BOTMESH_REQUIRE_SERVICES")
     dead = pytester.runpytest_subprocess(*args, "--botmesh-redis-url=redis://127.0.0.1:1/0")
     assert dead.ret == pytest.ExitCode.USAGE_ERROR
+
+
+@pytest.mark.spec("TEST-4")
+def test_xdist_workers_share_the_drawn_seed(pytester: pytest.Pytester) -> None:
+    """Without --botmesh-seed the controller draws one and every worker collects the
+    random cells of that seed (xdist refuses differing collections)."""
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--botmesh-backend=memory", "--botmesh-parts=matrix",
+                                           "-n", "2")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["memory: matrix * passed, 0 failed"])

@@ -1,0 +1,195 @@
+"""The certification report (``--botmesh-report``): the artifact a backend's author
+publishes — backend, versions, claims, guarantees held and broken, seed — tested the way
+a third party runs it (pytester, a subprocess)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+RUN = ("-p", "no:cacheprovider", "-p", "no:benchmark")
+MEMORY = ("--botmesh-backend=memory", "--botmesh-parts=scenarios,suite", "--botmesh-seed=11")
+
+BROKEN = '''
+from botmesh.core.spi import KvDurability, MemoryKv
+
+_STORES = {}
+
+
+class ForgetsSent(KvDurability):
+    """Acknowledges mark_sent without writing it."""
+
+    async def outbox_mark_sent(self, scope, key, **kwargs):
+        return True
+
+
+def make(workdir):
+    return ForgetsSent(_STORES.setdefault(workdir, MemoryKv()), own_kv=False)
+'''
+
+NO_POSTGRES = '''
+import botmesh_testkit.services as services
+
+
+def _unavailable(url=None, *, require=False):
+    raise services.ServiceUnavailable("postgres", [services.Attempt("test", "no server here")], required=require)
+
+
+services.provision_postgres = _unavailable
+'''
+
+
+def _load(pytester: pytest.Pytester, name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((pytester.path / name).read_text(encoding="utf-8"))
+    return data
+
+
+def _backend(report: dict[str, Any], name: str) -> dict[str, Any]:
+    (entry,) = [b for b in report["backends"] if b["name"] == name]
+    return entry
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess(*RUN, *MEMORY, "--botmesh-report=r.json",
+                                           "--botmesh-redis-url=redis://bob:hunter2@127.0.0.1:1/0")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([f"botmesh report written to {pytester.path / 'r.json'}"])
+    outcomes = result.parseoutcomes()
+    report = _load(pytester, "r.json")
+    assert report["format"] == "botmesh-certification-report/1"
+    assert report["verdict"] == "certified"
+    assert report["seed"] == 11
+    assert report["parts"] == ["scenarios", "suite"]
+    assert report["matrix"]["name"] == "smoke" and "random cells" in report["matrix"]["description"]
+    assert report["date"].endswith("+00:00")
+    assert report["exit_status"] == 0
+    assert {"botmesh-testkit", "python", "pytest", "platform"} <= set(report["versions"])
+    assert "--botmesh-seed=11" in report["command"] and "--botmesh-report=r.json" in report["command"]
+    assert "hunter2" not in json.dumps(report) and "redis://bob:***@127.0.0.1:1/0" in report["command"]
+    memory = _backend(report, "memory")
+    assert memory["verdict"] == "certified" and memory["verdict_reasons"] == []
+    assert memory["claims"] == {"survives_crash": False, "multi_process": False, "multi_host": False, "shared": False}
+    assert memory["parts"]["scenarios"] == {"passed": 10, "failed": 0, "skipped": 0}
+    suite = memory["parts"]["suite"]
+    assert suite["failed"] == 0 and suite["skipped"] == outcomes["skipped"] == 4
+    assert suite["passed"] + 10 == outcomes["passed"]
+    assert {"GUAR-3", "GUAR-4", "OUT-2"} <= set(memory["held"]) and memory["broken"] == []
+    # the suite's skips, grouped by reason, name the claim memory does not make
+    assert sum(s["count"] for s in memory["skips"]) == 4
+    assert all(s["reason"].startswith("capability not claimed: ") and s["parts"] == ["suite"]
+               for s in memory["skips"])
+    assert {s["reason"] for s in memory["skips"]} == {"capability not claimed: survives_crash",
+                                                      "capability not claimed: multi_process"}
+    assert memory["service_skip"] is None and memory["kill_loops"] == []
+
+
+@pytest.mark.spec("TEST-4", "BACK-7", "OUT-2", "GUAR-4")
+def test_a_broken_third_party_backend_is_not_certified(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(thirdparty=BROKEN)
+    pytester.mkdir("out")
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=thirdparty:make", "--botmesh-parts=scenarios",
+                                           "--botmesh-seed=3", "--botmesh-report=out/r.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["botmesh report written to *r.json"])
+    report = _load(pytester, "out/r.json")
+    assert report["verdict"] == "not certified"
+    entry = _backend(report, "thirdparty:make")
+    assert entry["verdict"] == "not certified"
+    failed = entry["parts"]["scenarios"]["failed"]
+    assert failed > 0 and f"{failed} item(s) failed" in entry["verdict_reasons"]
+    assert "GUAR-4" in entry["broken"] and "OUT-2" in entry["broken"]
+    assert entry["broken_items"]["GUAR-4"] >= 1
+    assert not set(entry["broken"]) & set(entry["held"])
+    # a KvDurability claims nothing unless told; the factory's module is not an installed distribution
+    assert entry["claims"]["shared"] is False
+    assert entry["versions"] == {"thirdparty": "not from an installed distribution"}
+    assert report["seed"] == 3
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+def test_a_markdown_report_has_a_table_per_backend(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nbotmesh_report = cert.md\n")
+    result = pytester.runpytest_subprocess(*RUN, *MEMORY)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([f"botmesh report written to {pytester.path / 'cert.md'}"])
+    text = (pytester.path / "cert.md").read_text(encoding="utf-8")
+    assert text.startswith("# botmesh certification report")
+    assert "**Verdict: certified**" in text
+    assert "## Backend `memory`: certified" in text
+    for row in ("| claims | survives_crash no, multi_process no, multi_host no, shared no |",
+                "| scenarios | 10 passed, 0 failed, 0 skipped |",
+                "| broken (0) | — |",
+                "| seed | 11 |",
+                "| skipped ×1 (suite) | capability not claimed: multi_process |"):
+        assert row in text, row
+    assert "| held (" in text and "GUAR-4" in text
+    assert "| pytest |" in text and "| botmesh-testkit |" in text
+    assert "--botmesh-seed=11" in text
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+def test_a_report_in_a_directory_that_does_not_exist_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=memory", "--botmesh-report=nowhere/r.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--botmesh-report: the directory of 'nowhere/r.json' (*nowhere*) does not exist*"])
+    pytester.mkdir("adir")
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=memory", "--botmesh-report=adir")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--botmesh-report: 'adir' is a directory*"])
+    pytester.makeini("[pytest]\nbotmesh_report = missing/r.md\n")
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=memory")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*botmesh_report (ini): the directory of 'missing/r.md'*does not exist*"])
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+def test_a_backend_whose_server_is_missing_is_not_certified(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(NO_POSTGRES)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=postgres", "--botmesh-backend=memory",
+                                           "--botmesh-parts=scenarios", "--botmesh-report=r.json",
+                                           "--botmesh-seed=2")
+    assert result.ret == 0
+    report = _load(pytester, "r.json")
+    assert report["verdict"] == "not certified"
+    assert _backend(report, "memory")["verdict"] == "certified"
+    postgres = _backend(report, "postgres")
+    assert postgres["verdict"] == "not certified"
+    assert postgres["claims"] == "unknown" and "no server could be provisioned" in postgres["claims_error"]
+    assert "no server could be provisioned" in postgres["service_skip"]
+    assert postgres["verdict_reasons"][0].startswith("service skipped: ")
+    assert postgres["parts"] == {} and "psycopg" in postgres["versions"]
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+def test_the_report_is_complete_under_xdist(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    plain = pytester.runpytest_subprocess(*RUN, *MEMORY, "--botmesh-report=plain.json")
+    assert plain.ret == 0
+    spread = pytester.runpytest_subprocess(*RUN, *MEMORY, "--botmesh-report=spread.json", "-n", "2")
+    assert spread.ret == 0
+    spread.stdout.fnmatch_lines(["botmesh report written to *spread.json"])
+    one, two = _load(pytester, "plain.json"), _load(pytester, "spread.json")
+    assert two["verdict"] == "certified" and two["seed"] == 11
+    for key in ("parts", "totals", "held", "broken", "skips", "claims", "verdict"):
+        assert _backend(one, "memory")[key] == _backend(two, "memory")[key], key
+    assert two["versions"]["pytest-xdist"]
+    assert " -n 2" in two["command"]
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+def test_the_cli_passes_report_through(pytester: pytest.Pytester) -> None:
+    import sys
+
+    result = pytester.run(sys.executable, "-m", "botmesh_testkit.cli", "run", "--backend", "memory",
+                          "--parts", "scenarios", "--seed", "6", "--report", "cli.json", "-q")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([f"botmesh report written to {pytester.path / 'cli.json'}"])
+    report = _load(pytester, "cli.json")
+    assert report["verdict"] == "certified" and report["seed"] == 6
+    assert _backend(report, "memory")["parts"] == {"scenarios": {"passed": 10, "failed": 0, "skipped": 0}}
+    assert "run --backend memory --parts scenarios --seed 6 --report cli.json" in report["command"]
