@@ -95,6 +95,12 @@ class Outcome:
     deliveries: list[tuple[str, str]] = field(default_factory=list)
     ambiguous: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    recovery_lines: frozenset[int] | None = None
+    """With ``measure_recovery``: the lines of the engine's recovery code that ran from
+    the restart to the end of the drain (:mod:`botmesh_testkit.recovery_coverage`); empty
+    when the crash did not fire. None when not measured."""
+    recovery_note: str | None = None
+    """Why ``recovery_lines`` is empty although measured (another tracer was active)."""
 
     @property
     def passed(self) -> bool:
@@ -214,8 +220,21 @@ def random_cells(backend: str, workload: str, history: list[str], count: int, rn
     ]
 
 
-async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str) -> Outcome:
-    """Run one cell and check its history."""
+async def _recover(world: World, w: Workload) -> None:
+    """After a crash: a new bot, then the channel's redeliveries, drained."""
+    await world.restart()
+    # the channel redelivers everything that was not acknowledged, in order
+    await _feed(world, w.inbound)
+    await world.drain(DRAIN_MS)
+    if w.answers:
+        await _feed(world, w.answers)
+        await world.drain(DRAIN_MS)
+
+
+async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measure_recovery: bool = False) -> Outcome:
+    """Run one cell and check its history. ``measure_recovery``: record the lines of
+    the engine's recovery code run from the restart to the end of the drain
+    (``Outcome.recovery_lines``)."""
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
     harness = resolve(cell.backend)(workdir)
@@ -233,16 +252,21 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str) -> Outcom
         world.channel.fail_next(transient(), times=w.channel_failures)
         await _play(world, w)
         crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)
-        if crashed:
-            await world.restart()
-            # the channel redelivers everything that was not acknowledged, in order
-            await _feed(world, w.inbound)
-            await world.drain(DRAIN_MS)
-            if w.answers:
-                await _feed(world, w.answers)
-                await world.drain(DRAIN_MS)
+        recovery_lines: frozenset[int] | None = None
+        recovery_note: str | None = None
+        if crashed and measure_recovery:
+            from .recovery_coverage import measure
+
+            with measure() as measured:
+                await _recover(world, w)
+            recovery_lines, recovery_note = measured.lines, measured.note
+        elif crashed:
+            await _recover(world, w)
+        elif measure_recovery:
+            recovery_lines = frozenset()
         outcome = Outcome(cell, crashed, crash_point, history=history,
-                          deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent])
+                          deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent],
+                          recovery_lines=recovery_lines, recovery_note=recovery_note)
         await check(world, truth, outcome)
         outcome.seconds = time.perf_counter() - started
         return outcome
@@ -348,8 +372,10 @@ async def run_matrix(
     seed: int = 0,
     only: Cell | None = None,
     progress: Callable[[Outcome], None] | None = None,
+    measure_recovery: bool = False,
 ) -> MatrixResult:
-    """Run the matrix. ``only`` runs one cell (the reproduce command)."""
+    """Run the matrix. ``only`` runs one cell (the reproduce command);
+    ``measure_recovery`` is passed to :func:`run_cell`."""
     started = time.perf_counter()
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
@@ -366,7 +392,7 @@ async def run_matrix(
                 cells = [only]
             for cell in cells:
                 with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
-                    outcome = await run_cell(cell, seed, truth, tmp)
+                    outcome = await run_cell(cell, seed, truth, tmp, measure_recovery=measure_recovery)
                 outcomes.append(outcome)
                 if progress is not None:
                     progress(outcome)

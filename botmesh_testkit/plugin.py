@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 SEED_KEY = pytest.StashKey[int]()
 RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]]]()
 KILL_REPORTS_KEY = pytest.StashKey[list[tuple[str, list[str]]]]()
+RECOVERY_KEY = pytest.StashKey[dict[str, Any]]()
+"""Per backend, the :class:`~botmesh_testkit.recovery_coverage.RecoveryCoverage` of its cells."""
 SKIP_REASONS_KEY = pytest.StashKey[list[tuple[str, str, str]]]()  # (backend, part, reason) of skipped items
 REPORT_PATH_KEY = pytest.StashKey[Path]()
 REPORT_WRITTEN_KEY = pytest.StashKey[str]()  # the summary's line about the report file
@@ -86,6 +88,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run only this crash cell (BACKEND/WORKLOAD/POLICY/WHEN:POINT#N)")
     group.addoption("--botmesh-cell-timeout", type=float, default=None, metavar="SECONDS",
                     help=f"real-time budget of one crash cell (default {DEFAULT_CELL_TIMEOUT:g})")
+    group.addoption("--botmesh-recovery-coverage", action="store_true", default=False,
+                    help="measure which lines of the engine's recovery code each crash cell's restart runs, and "
+                         "print them per crash point (off under pytest-cov; about 25 ms per cell)")
     group.addoption("--botmesh-require-services", action="store_true",
                     default=os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"),
                     help="fail (instead of skipping) when a PostgreSQL or Redis server cannot be provisioned "
@@ -297,13 +302,19 @@ class MatrixCellItem(pytest.Item):
         budget = _cell_budget(self.config)
         with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
             try:
-                self.outcome = asyncio.run(asyncio.wait_for(run_cell(self.cell, self.seed, self.oracle, tmp), budget))
+                measure = bool(self.config.getoption("--botmesh-recovery-coverage"))
+                self.outcome = asyncio.run(asyncio.wait_for(
+                    run_cell(self.cell, self.seed, self.oracle, tmp, measure_recovery=measure), budget))
             except TimeoutError:
                 raise CellFailed(
                     f"cell {self.cell.id}: did not finish within its real-time budget of {budget:g} s "
                     "(--botmesh-cell-timeout). A backend that acknowledges updates without storing them, or "
                     "never settles a record, keeps the recovery loop busy until the budget runs out.\n"
                     f"  reproduce: {self.cell.command(self.seed)}") from None
+        if self.outcome.recovery_lines is not None or self.outcome.recovery_note is not None:
+            from .recovery_coverage import record_of
+
+            self.user_properties.append(("botmesh_recovery", record_of(self.outcome)))
         self.ihook.pytest_botmesh_cell_finished(cell=self.cell, outcome=self.outcome)
         if not self.outcome.passed:
             raise CellFailed(self.outcome.report(self.seed))
@@ -590,6 +601,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         config = _CONFIG[0] if _CONFIG else None
         if config is not None:
             config.stash[RESULTS_KEY].append((str(backend), _part_of(report.nodeid), outcome, spec, violated))
+            if "botmesh_recovery" in props:
+                from .recovery_coverage import RecoveryCoverage
+
+                per = config.stash.setdefault(RECOVERY_KEY, {})
+                per.setdefault(str(backend), RecoveryCoverage()).add_record(props["botmesh_recovery"])
             if "botmesh_kill_report" in props:
                 config.stash.setdefault(KILL_REPORTS_KEY, []).append((str(backend), list(props["botmesh_kill_report"])))
             if outcome == "skipped":
@@ -668,6 +684,10 @@ def _durability_summary(terminalreporter: Any, config: pytest.Config) -> None:
         write(f"{backend}: " + "; ".join(counts))
         for line in kill_lines.get(backend, []):
             write(f"  {line}")
+        recovery = config.stash.get(RECOVERY_KEY, {}).get(backend)
+        if recovery is not None:
+            for line in recovery.format().splitlines():
+                write(f"  {line}")
         held, broken = held_and_broken(rows)
         if held:
             write(f"  held ({len(held)}): {', '.join(held)}")

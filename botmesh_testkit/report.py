@@ -281,6 +281,9 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
         })
+        recovery = config.stash.get(plugin.RECOVERY_KEY, {}).get(name)
+        if recovery is not None:
+            entry["recovery_coverage"] = recovery.to_json()
         backends.append(entry)
     argv = redact_argv(sys.argv)
     return {
