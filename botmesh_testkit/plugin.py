@@ -396,7 +396,8 @@ class KillLoopItem(pytest.Item):
             ids = sorted(result.violated_ids)
             self.user_properties.append(("botmesh_violated", tuple(ids)))
             raise CellFailed(result.report() + f"\n  rerun: {_rerun_base(self.config)} --botmesh-parts=kills "
-                                               f"-k {shlex.quote(self.name)}")
+                                               f"--botmesh-matrix={self.config.getoption('--botmesh-matrix') or self.config.getini('botmesh_matrix')} "
+                                               f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, CellFailed):
@@ -471,7 +472,7 @@ def _kill_items(session: pytest.Session, config: pytest.Config, backends: list[s
         if backend == "memory":
             continue  # nothing of it outlives a process: no kill loop to run
         for policy in profile.policies:
-            name = f"botmesh-kills::{backend}/{policy}/kills={profile.kills}"
+            name = f"botmesh-kills::{backend}/{policy}/{profile.kills}-kills"
             items.append(KillLoopItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
                                                   kills=profile.kills, messages=profile.kill_messages, seed=seed))
     return items

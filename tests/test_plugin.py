@@ -198,7 +198,7 @@ def test_the_profile_kill_loops_run_as_items(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--botmesh-backend=sqlite", "--botmesh-backend=memory",
                                            "--botmesh-parts=kills", "--botmesh-matrix=tiny.toml", "--botmesh-seed=2", "-v")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*botmesh-kills::sqlite/resend/kills=4 PASSED*", "sqlite: kills 1 passed, 0 failed",
+    result.stdout.fnmatch_lines(["*botmesh-kills::sqlite/resend/4-kills PASSED*", "sqlite: kills 1 passed, 0 failed",
                                  "*kill loop on sqlite, on_ambiguous=resend, seed 2: passed*",
                                  "*kills: 4 (*); self-deaths: 0; incarnations: 5*",
                                  "*deliveries: * duplicates: *; losses: 0*"])

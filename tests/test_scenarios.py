@@ -181,12 +181,23 @@ def test_a_scenario_can_die_at_every_point_or_at_random_ones(pytester: pytest.Py
     assert result.ret == 0, result.stdout.str()
     outcomes = result.parseoutcomes()
     assert outcomes["passed"] > 10, outcomes
-    result.stdout.fnmatch_lines(["*a_reminder_is_never_sent_twice[[]sqlite-skip-before:inbox.journal#1[]] PASSED*"])
-    result.stdout.fnmatch_lines(["*a_reminder_is_never_sent_twice[[]sqlite-skip-after:outbox.mark_sent#1[]] PASSED*"])
-    result.stdout.fnmatch_lines(["*random_deaths[[]sqlite-random-*#*[]] PASSED*"])
+    result.stdout.fnmatch_lines(["*a_reminder_is_never_sent_twice[[]sqlite-skip-before:inbox.journal:1[]] PASSED*"])
+    result.stdout.fnmatch_lines(["*a_reminder_is_never_sent_twice[[]sqlite-skip-after:outbox.mark_sent:1[]] PASSED*"])
+    result.stdout.fnmatch_lines(["*random_deaths[[]sqlite-random-*:*[]] PASSED*"])
     pytester.makepyfile(overwrites=OVERWRITES)
     bad = pytester.runpytest_subprocess(*RUN, "--botmesh-scenarios=stories", "--botmesh-backend=overwrites:make",
                                         "--botmesh-parts=scenarios", "-k", "never_sent_twice")
     assert bad.ret == pytest.ExitCode.TESTS_FAILED
     bad.stdout.fnmatch_lines(["*on overwrites:make (on_ambiguous=skip), dying at *:* checks OUT-10, OUT-14, GUAR-2*",
                               "*the reminder went out 2 times*"])
+
+
+@pytest.mark.spec("TEST-3")
+def test_the_rerun_command_of_a_crash_point_item_selects_it(pytester: pytest.Pytester) -> None:
+    """The ``-k`` of a failing item's reproduce line is a valid expression that selects
+    exactly that item (labels avoid characters ``-k`` rejects)."""
+    pytester.mkdir("stories")
+    (pytester.path / "stories" / "reminder.py").write_text(REMINDER)
+    one = pytester.runpytest_subprocess(*RUN, "--botmesh-scenarios=stories",
+                                        "-k", "a_reminder_is_never_sent_twice[sqlite-skip-after:outbox.mark_sent:1]")
+    one.assert_outcomes(passed=1)
