@@ -1493,6 +1493,15 @@ class KillResult:
     def recovered_ms(self) -> list[float]:
         return [k.kill_to_recovered_ms for k in self.kills if k.kill_to_recovered_ms is not None]
 
+    def _accounted(self, count: int, kind: str) -> str:
+        """How the duplicates or losses of a passing run were accounted for (a failing run
+        lists each one that was not, under ``violated``)."""
+        if not count or not self.passed:
+            return ""
+        if kind == "dup":
+            return " (each covered by a durability:ambiguous event, OUT-14 resend)"
+        return " (each an outbox 'unknown' record after a durability:ambiguous event, OUT-14 skip)"
+
     def report(self) -> str:
         points = Counter(f"{k.mode}: {k.point}" for k in self.kills)
         modes = Counter(k.mode for k in self.kills)
@@ -1505,7 +1514,8 @@ class KillResult:
             f"({self.feeds - self.messages} redeliveries)",
             f"  inbox: {dict(sorted(self.inbox_states.items()))}; outbox: {dict(sorted(self.outbox_states.items()))}",
             f"  deliveries: {self.deliveries} of {self.distinct_keys} keys; duplicates: "
-            f"{self.accounting.duplicate_count}; losses: {self.accounting.loss_count}",
+            f"{self.accounting.duplicate_count}{self._accounted(self.accounting.duplicate_count, 'dup')}; "
+            f"losses: {self.accounting.loss_count}{self._accounted(self.accounting.loss_count, 'loss')}",
         ]
         if self.events:
             lines.append("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())))

@@ -178,10 +178,15 @@ def check_kill_result(result: KillResult, policy: str, kills: int) -> None:
         missing = [r.key for r in outbox if counts[r.key] == 0]
         assert all(r.state == "unknown" for r in outbox if r.key in missing)  # each loss is an unknown record
         assert len(missing) == result.accounting.loss_count
+        if missing:  # the printed line says how the losses were accounted for
+            assert f"losses: {len(missing)} (each an outbox 'unknown' record" in result.report()
     else:
         assert set(result.outbox_states) == {"sent"}  # never unknown
         assert all(counts[r.key] >= 1 for r in outbox)  # never a loss
         assert sum(counts.values()) - len(outbox) == result.accounting.duplicate_count
+        if result.accounting.duplicate_count:
+            assert (f"duplicates: {result.accounting.duplicate_count} (each covered by a durability:ambiguous"
+                    in result.report())
     # every kill really happened to a distinct process, and each pid is gone
     killed = [i for i in result.run.incarnations if i.end == "killed"]
     assert len(killed) == kills and len({i.pid for i in killed}) == kills
