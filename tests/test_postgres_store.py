@@ -748,6 +748,11 @@ def test_bad_sources_and_options_are_config_errors_naming_the_option(pg_url: str
         ({"connection_string": pg_url, "min_size": 3, "max_size": 2}, "max_size"),
         ({"connection_string": pg_url, "timeout": 0}, "timeout"),
         ({"connection_string": pg_url, "timeout": float("inf")}, "timeout"),
+        ({"connection_string": pg_url, "query_timeout": 0}, "query_timeout"),
+        ({"connection_string": pg_url, "query_timeout": -1.5}, "query_timeout"),
+        ({"connection_string": pg_url, "query_timeout": float("nan")}, "query_timeout"),
+        ({"connection_string": pg_url, "query_timeout": True}, "query_timeout"),
+        ({"connection_string": pg_url, "query_timeout": "30"}, "query_timeout"),
     ]
     for kwargs, option in cases:
         with pytest.raises(ConfigError) as info:

@@ -74,6 +74,7 @@ KILL_SPEC = ("GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "OUT-14", "INB-2", "INB-3",
 LEASE_MS = 400
 POLL_MS = 50
 PG_POOL_TIMEOUT_S = 1.0  # how long a call waits for a connection while the server is down
+PG_QUERY_TIMEOUT_S = 1.0  # how long a call waits for an answer (query_timeout; blackhole test)
 REDIS_SOCKET_TIMEOUT_S = 0.5  # Redis client timeout (blackhole test), via the URL query
 
 
@@ -167,7 +168,7 @@ class Target:
 
             return PostgresDurability(
                 connection_string=self.url, table_prefix=f"{self.namespace}_", logger=self.logger,
-                timeout=PG_POOL_TIMEOUT_S, min_size=1, max_size=self.pool_max,
+                timeout=PG_POOL_TIMEOUT_S, query_timeout=PG_QUERY_TIMEOUT_S, min_size=1, max_size=self.pool_max,
             )
         from botmesh.redis_store import RedisDurability
 
@@ -587,17 +588,17 @@ async def test_proxy_connection_reset_mid_run(kind: str, request: pytest.Fixture
 async def test_proxy_blackhole_then_heal(kind: str, request: pytest.FixtureRequest) -> None:
     """(c) a blackhole (nothing forwarded, bytes held) for a while, then healed.
 
-    Redis: calls fail with ``BackendUnavailableError`` after the client's socket timeout
-    (0.5 s from the URL); deliveries meanwhile are refused and redelivered; held commands
-    may land late, after the client gave up (outcome unknown). PostgreSQL: the backend
-    has no per-query timeout (``timeout`` bounds only the wait for a pooled connection),
-    so a call on an open connection waits for the partition to heal, then completes.
-    Either way, after healing nothing is lost or sent twice outside OUT-14."""
+    A call fails with ``BackendUnavailableError`` instead of hanging: Redis after the
+    client's socket timeout (0.5 s from the URL), PostgreSQL after ``query_timeout``
+    (1 s; the connection is cut and replaced) or, when no idle connection is left, after
+    the pool timeout (1 s). Deliveries meanwhile are refused and redelivered; held
+    commands may land late, after the client gave up (outcome unknown). After healing
+    nothing is lost or sent twice outside OUT-14."""
     server = _server(kind, request)
     proxy = await _proxy_for(server)
     ch = Channel(_target(kind, server, via=proxy, name="blackhole"), replies=1, on_ambiguous="skip")
     n = 30
-    pg_probe = ""
+    limit = REDIS_SOCKET_TIMEOUT_S if kind == "redis" else min(PG_QUERY_TIMEOUT_S, PG_POOL_TIMEOUT_S)
     try:
         bot = await ch.start_bot()
         assert bot.durability is not None
@@ -606,27 +607,12 @@ async def test_proxy_blackhole_then_heal(kind: str, request: pytest.FixtureReque
         await _eventually(lambda: len(ch.acked) >= n // 3, 30, f"{n // 3} acknowledged messages")
         proxy.blackhole(True)
         started = time.monotonic()
-        probe = asyncio.ensure_future(kv.get(bot.durability.scope, "inbox", "b000"))
-        if kind == "redis":
-            with pytest.raises(BackendUnavailableError):
-                await asyncio.wait_for(probe, 10)
-            elapsed = time.monotonic() - started
-            assert REDIS_SOCKET_TIMEOUT_S * 0.8 <= elapsed < 5, f"failed after {elapsed:.2f}s"
-            await _eventually(lambda: ch.nacks >= 2 or all(f.done() for f in feeders), 20, "refused deliveries")
-        else:
-            # A call on an open connection waits for the partition to heal; a call that finds
-            # no idle connection fails after the pool timeout (a new connection cannot be made).
-            await asyncio.wait({probe}, timeout=PG_POOL_TIMEOUT_S + 1.0)
-            if probe.done():
-                elapsed = time.monotonic() - started
-                assert isinstance(probe.exception(), BackendUnavailableError), probe
-                assert elapsed >= PG_POOL_TIMEOUT_S * 0.8, f"failed after {elapsed:.2f}s"
-                pg_probe = f"failed with BackendUnavailableError after {elapsed:.2f}s (no idle connection)"
+        with pytest.raises(BackendUnavailableError) as failed:
+            await asyncio.wait_for(kv.get(bot.durability.scope, "inbox", "b000"), 10)
+        elapsed = time.monotonic() - started
+        assert limit * 0.8 <= elapsed < 5, f"a read failed after {elapsed:.2f}s: {failed.value}"
+        await _eventually(lambda: ch.nacks >= 2 or all(f.done() for f in feeders), 20, "refused deliveries")
         proxy.blackhole(False)
-        if kind == "postgres" and not probe.done():
-            found = await asyncio.wait_for(probe, 10)  # the held query went through once healed
-            assert found is not None and found.value["state"] == "done"
-            pg_probe = f"waited {time.monotonic() - started:.2f}s, until the partition healed, then succeeded"
         await asyncio.gather(*feeders)
         await ch.redeliver_until_acked()
         inbox, outbox = await ch.drain()
@@ -635,11 +621,47 @@ async def test_proxy_blackhole_then_heal(kind: str, request: pytest.FixtureReque
         await ch.stop()
         await _stop_proxy(proxy)
     v = _verify(ch, inbox, outbox, f"{kind} via proxy, blackhole then healed")
-    if pg_probe:
-        print(f"[server-faults] postgres blackhole: a read {pg_probe}")
+    print(f"[server-faults] {kind} blackhole: a read failed after {elapsed:.2f}s: {failed.value}")
     assert proxy.stats.faults_fired.get("blackhole", 0) > 0, v.line
-    if kind == "redis":
-        assert ch.target.captured.errors, f"no logger.error record from the backend ({v.line})"
+    assert ch.target.captured.errors, f"no logger.error record from the backend ({v.line})"
+
+
+@pytest.mark.spec("BACK-2", "OUT-14")
+async def test_postgres_query_timeout_cuts_an_unanswered_call(private_pg: PrivatePostgres) -> None:
+    """A partitioned server (a blackhole: the bytes are held, nothing comes back) makes a
+    call fail after ``query_timeout`` with ``BackendUnavailableError`` saying so — not
+    hang. The connection is cut, reported to ``logger.error`` and replaced: after the
+    partition heals, the next call works. The cut write's outcome is unknown; read back
+    by key it is either absent or exactly what was written (never something else)."""
+    from botmesh.postgres_store import PostgresKv
+
+    proxy = await _proxy_for(private_pg)
+    logger, captured = _capture_logger("query-timeout")
+    kv = PostgresKv(
+        connection_string=proxy.url_for(private_pg.url), table_prefix=f"qt{secrets.token_hex(4)}_",
+        logger=logger, min_size=1, max_size=1, timeout=5.0, query_timeout=0.5,
+    )
+    try:
+        await kv.open()
+        assert await kv.put("s", "inbox", "k1", {"n": 1}, expected_version=0) == 1
+        proxy.blackhole(True)
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailableError) as failed:
+            await asyncio.wait_for(kv.put("s", "inbox", "k2", {"n": 2}, expected_version=0), 10)
+        elapsed = time.monotonic() - started
+        assert "no answer from the server within query_timeout=0.5s" in str(failed.value), failed.value
+        assert 0.4 <= elapsed < 3.0, f"the call failed after {elapsed:.2f}s"
+        assert any("query_timeout" in r.getMessage() for r in captured.errors), [r.getMessage() for r in captured.records]
+        proxy.blackhole(False)
+        got = await asyncio.wait_for(kv.get("s", "inbox", "k1"), 10)  # on a new connection
+        assert got is not None and got.value == {"n": 1} and got.version == 1
+        k2 = await kv.get("s", "inbox", "k2")
+        assert k2 is None or (k2.value == {"n": 2} and k2.version == 1), k2
+        print(f"[server-faults] postgres query_timeout=0.5s: a write under a blackhole failed after {elapsed:.2f}s; "
+              f"after healing it had {'landed' if k2 is not None else 'not landed'}")
+    finally:
+        await kv.close()
+        await _stop_proxy(proxy)
 
 
 class _CutAndPartition(FaultProxy):

@@ -34,6 +34,7 @@ DEFAULT_LOGGER_NAME = "botmesh.postgres"
 DEFAULT_MIN_SIZE = 1
 DEFAULT_MAX_SIZE = 10
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_QUERY_TIMEOUT_S = 30.0
 
 
 def check_table_prefix(table_prefix: Any) -> str:
@@ -129,6 +130,25 @@ def check_timeout(timeout: Any) -> float:
             f"option 'timeout' must be a finite number of seconds > 0, got {timeout!r}", option="timeout", value=timeout
         )
     return float(timeout)
+
+
+def check_query_timeout(query_timeout: Any) -> float | None:
+    """``query_timeout``: None (wait for the server as long as it takes) or seconds (a
+    finite number > 0)."""
+    if query_timeout is None:
+        return None
+    if (
+        isinstance(query_timeout, bool)
+        or not isinstance(query_timeout, (int, float))
+        or not math.isfinite(query_timeout)
+        or query_timeout <= 0
+    ):
+        raise ConfigError(
+            f"option 'query_timeout' must be None or a finite number of seconds > 0, got {query_timeout!r}",
+            option="query_timeout",
+            value=query_timeout,
+        )
+    return float(query_timeout)
 
 
 def check_logger(logger: Any) -> logging.Logger | logging.LoggerAdapter[Any]:

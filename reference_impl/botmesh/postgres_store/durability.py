@@ -18,7 +18,13 @@ from typing import Any
 from psycopg_pool import AsyncConnectionPool
 
 from ..core.spi import KvDurability
-from ._config import DEFAULT_MAX_SIZE, DEFAULT_MIN_SIZE, DEFAULT_TABLE_PREFIX, DEFAULT_TIMEOUT_S
+from ._config import (
+    DEFAULT_MAX_SIZE,
+    DEFAULT_MIN_SIZE,
+    DEFAULT_QUERY_TIMEOUT_S,
+    DEFAULT_TABLE_PREFIX,
+    DEFAULT_TIMEOUT_S,
+)
 from .kv import PostgresKv
 
 __all__ = ["PostgresDurability"]
@@ -40,6 +46,10 @@ class PostgresDurability(KvDurability):
     several processes start at once. A connection the server dropped while idle (restart,
     failover, ``pg_terminate_backend``) is reported to ``logger.error`` (default
     ``logging.getLogger("botmesh.postgres")``) and replaced before the next query runs.
+    A call that gets no answer within ``query_timeout`` seconds (default 30; ``None``: no
+    limit) — a partitioned or frozen server — fails with ``BackendUnavailableError``
+    instead of hanging; its connection is cut, reported and replaced. ``timeout`` bounds
+    the wait for a connection from the pool.
     ``table_prefix`` must be 1 to 41 ASCII letters, digits or ``_`` not starting with a
     digit; ``schema`` (optional) places the table in that schema instead of the
     connection's ``search_path``. Bad options raise
@@ -60,6 +70,7 @@ class PostgresDurability(KvDurability):
         min_size: int = DEFAULT_MIN_SIZE,
         max_size: int = DEFAULT_MAX_SIZE,
         timeout: float = DEFAULT_TIMEOUT_S,
+        query_timeout: float | None = DEFAULT_QUERY_TIMEOUT_S,
         name: str = "postgres",
     ) -> None:
         kv = PostgresKv(
@@ -71,6 +82,7 @@ class PostgresDurability(KvDurability):
             min_size=min_size,
             max_size=max_size,
             timeout=timeout,
+            query_timeout=query_timeout,
         )
         super().__init__(kv, own_kv=True, name=name)
 

@@ -88,6 +88,23 @@ round trip. A connection lost in the middle of a call (or silently, without the 
 saying so) makes that call raise ``BackendUnavailableError``; it is reported with
 ``logger.error`` too, and the pool replaces it.
 
+Unanswered calls
+----------------
+A server that stops answering without closing the connection (a network partition, a
+frozen server, a blackholing proxy) would leave a call waiting for as long as the
+kernel keeps the TCP connection — hours with default keepalive settings. So each call
+(statement and, on a non-autocommit connection, its ``COMMIT``) gets ``query_timeout``
+seconds (default 30; ``None``: no limit): when no answer has come by then the socket of
+its connection is shut down, which wakes the waiting call at once with a lost-connection
+error; the call raises ``BackendUnavailableError`` saying so, the event is reported with
+``logger.error`` and the pool replaces the connection. A cut write may or may not have
+landed — exactly the "outcome unknown" case :class:`~botmesh.core.spi.KvDurability`
+resolves by reading the record back by key. The cut is client-side only: a statement the
+server is still running (or has not received yet) goes on there until it notices the
+closed connection. The limit is per call, so it must exceed the slowest legitimate call:
+single-row statements, and at :meth:`PostgresKv.open` the creation of the table, which
+may wait on the advisory lock for other processes creating it.
+
 Errors: every psycopg / psycopg-pool error, and a key or value psycopg cannot encode
 (e.g. a lone surrogate), is raised as :class:`~botmesh.core.errors.BackendUnavailableError`
 naming the table, the original chained. Calls before :meth:`open` and after
@@ -111,6 +128,7 @@ import contextlib
 import json
 import logging
 import select
+import socket
 import weakref
 import zlib
 from collections.abc import Awaitable, Callable
@@ -127,10 +145,12 @@ from ..core.spi import Capabilities, DurableKv, IndexName, Versioned
 from ._config import (
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
+    DEFAULT_QUERY_TIMEOUT_S,
     DEFAULT_TABLE_PREFIX,
     DEFAULT_TIMEOUT_S,
     check_logger,
     check_pool_sizes,
+    check_query_timeout,
     check_schema,
     check_source,
     check_table_prefix,
@@ -190,6 +210,19 @@ def _limit_sql(limit: Any) -> bool:
     """Whether ``limit`` can go to SQL's ``LIMIT`` (a non-negative ``int``); any other value
     is applied in Python exactly as ``MemoryKv``'s ``[:limit]`` slice."""
     return isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+
+
+def _cut(conn: Conn, cut: list[bool]) -> None:
+    """Shut down the socket of ``conn`` (both directions; the descriptor stays libpq's):
+    a call waiting on it wakes at once with a lost-connection error instead of waiting
+    for an answer that may never come (``query_timeout``)."""
+    cut.append(True)
+    with contextlib.suppress(Exception):
+        sock = socket.socket(fileno=conn.pgconn.socket)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.detach()
 
 
 def _input_pending(conn: Conn) -> bool:
@@ -289,7 +322,9 @@ class PostgresKv(DurableKv):
     (default ``"botmesh_"``). ``schema`` — the schema of the table (created when missing),
     or None for the connection's ``search_path``. ``logger`` — where dropped connections
     are reported (default ``logging.getLogger("botmesh.postgres")``). ``timeout`` —
-    seconds to wait for a connection from the pool. A bad option raises
+    seconds to wait for a connection from the pool. ``query_timeout`` — seconds a call
+    waits for the server's answer before its connection is cut and the call fails (None:
+    no limit; see "Unanswered calls" in the module docstring). A bad option raises
     :class:`~botmesh.core.errors.ConfigError` naming it.
     """
 
@@ -306,6 +341,7 @@ class PostgresKv(DurableKv):
         min_size: int = DEFAULT_MIN_SIZE,
         max_size: int = DEFAULT_MAX_SIZE,
         timeout: float = DEFAULT_TIMEOUT_S,
+        query_timeout: float | None = DEFAULT_QUERY_TIMEOUT_S,
     ) -> None:
         check_source(pool, connection_string)
         self._table_prefix = check_table_prefix(table_prefix)
@@ -313,6 +349,7 @@ class PostgresKv(DurableKv):
         self._logger = check_logger(logger)
         self._min_size, self._max_size = check_pool_sizes(min_size, max_size)
         self._timeout = check_timeout(timeout)
+        self._query_timeout = check_query_timeout(query_timeout)
         self._injected_pool = pool
         self._conninfo = connection_string
         self._table = f"{self._table_prefix}durable"
@@ -567,12 +604,35 @@ class PostgresKv(DurableKv):
         non-autocommit connection) and give the connection back; driver errors become
         ``BackendUnavailableError``."""
         conn = await self._acquire(pool, doing)
+        cut: list[bool] = []
+        timer = (
+            None
+            if self._query_timeout is None
+            else asyncio.get_running_loop().call_later(self._query_timeout, _cut, conn, cut)
+        )
         try:
             result = await work(conn)
             if not conn.autocommit:
                 await conn.commit()
+            if cut:  # the answer came as the timer fired: the connection is cut all the same
+                with contextlib.suppress(Exception):
+                    await conn.close()
             return result
         except _DRIVER_ERRORS as exc:
+            if cut:
+                self._logger.error(
+                    "PostgreSQL %s: no answer from the server within query_timeout=%ss during %s; the connection "
+                    "was cut (the pool replaces it) and the outcome of the call is unknown",
+                    self._label(), self._query_timeout, doing,
+                )
+                with contextlib.suppress(Exception):
+                    await conn.close()
+                raise BackendUnavailableError(
+                    f"PostgreSQL {self._label()}: {doing} failed: no answer from the server within "
+                    f"query_timeout={self._query_timeout}s (the connection was cut; a write may or may not "
+                    "have landed)",
+                    table=self._label(),
+                ) from exc
             if conn.broken:
                 self._logger.error(
                     "PostgreSQL %s: the connection was lost during %s (%s: %s); the pool replaces it",
@@ -580,6 +640,8 @@ class PostgresKv(DurableKv):
                 )
             raise self._unavailable(doing, exc) from exc
         finally:
+            if timer is not None:
+                timer.cancel()
             await self._release(pool, conn)
 
     async def _acquire(self, pool: Pool, doing: str) -> Conn:
