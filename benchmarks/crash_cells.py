@@ -218,7 +218,7 @@ def cells_summary(res: CellsResult) -> dict[str, Any]:
     total = sum(s)
     per_workload = {}
     for w in dry_median:
-        mine = [t for t, ww in zip(s, res.cell_workloads) if ww == w]
+        mine = [t for t, ww in zip(s, res.cell_workloads, strict=True) if ww == w]
         if mine:
             per_workload[w] = {"cells": len(mine), "median_ms": 1e3 * statistics.median(mine),
                                "dry_run_ms": 1e3 * dry_median[w]}
@@ -340,8 +340,8 @@ async def overhead_repetition(backend: str, root: str, rep: int, messages: int, 
             if len(v.channel.sent) != WARMUP + messages:
                 raise RuntimeError(f"{backend} ({v.name}): {len(v.channel.sent)} replies for {WARMUP + messages} messages")
         points = len(wrapped.cb.history) - start_points
-        ratios = [c / b for b, c in zip(bare.block_seconds, wrapped.block_seconds)]
-        cpu_ratios = [c / b for b, c in zip(bare.block_cpu, wrapped.block_cpu) if b > 0]
+        ratios = [c / b for b, c in zip(bare.block_seconds, wrapped.block_seconds, strict=True)]
+        cpu_ratios = [c / b for b, c in zip(bare.block_cpu, wrapped.block_cpu, strict=True) if b > 0]
         return {
             "bare_msg_s": bare.messages / bare.seconds,
             "crashable_msg_s": wrapped.messages / wrapped.seconds,
@@ -407,7 +407,7 @@ def table(headers: list[str], rows: list[list[str]], align: str) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align, strict=True)).rstrip()
 
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
@@ -574,9 +574,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for backend, e in entries.items():
             o = e.get("overhead")
             if o is not None:
+                triples = zip(o["overhead_all"], o["overhead_totals_all"], o["cpu_overhead_all"], strict=True)
                 print(f"  {backend:<9} " + ", ".join(
-                    f"{fmt_pct(x)} [{fmt_pct(y)}] ({fmt_pct(z)})"
-                    for x, y, z in zip(o["overhead_all"], o["overhead_totals_all"], o["cpu_overhead_all"])), file=out)
+                    f"{fmt_pct(x)} [{fmt_pct(y)}] ({fmt_pct(z)})" for x, y, z in triples), file=out)
         print(file=out)
 
     print("Summary", file=out)

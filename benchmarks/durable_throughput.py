@@ -308,7 +308,7 @@ def table(headers: list[str], rows: list[list[str]], align: str) -> str:
 
     def line(cells: list[str]) -> str:
         out = []
-        for cell, w, a in zip(cells, widths, align):
+        for cell, w, a in zip(cells, widths, align, strict=True):
             out.append(cell.ljust(w) if a == "l" else cell.rjust(w))
         return "  ".join(out).rstrip()
 

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     print("botmesh kill cycles")
     print("===================")
-    print(f"date:     {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}")
+    print(f"date:     {_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}")
     print(f"machine:  {platform.platform()}, {os.cpu_count()} CPUs, CPython {platform.python_version()}")
     print(f"method:   {args.kills} SIGKILLs per loop, {2 * args.kills} messages, handler replies(2), "
           f"on_ambiguous=skip, seed {args.seed}; baseline {args.repeat} starts each")

@@ -288,7 +288,7 @@ class FaultProxy:
                 server = await asyncio.wait_for(
                     asyncio.open_connection(self.target_host, self.target_port), self.connect_timeout
                 )
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 self._fired("upstream_unreachable")
                 _rst(cwriter)
                 return
@@ -369,7 +369,8 @@ class FaultProxy:
     async def _forward_up(self, link: _Link, data: bytes) -> None:
         # Once the cut fired, the rest of the request (a large command, the Bind/Execute/
         # Sync after a Parse) still goes to the server until its answer comes back.
-        if not link.cut_pending and self._cut_request_armed and (self._cut_request_match is None or self._cut_request_match in data):
+        matches = self._cut_request_match is None or self._cut_request_match in data
+        if not link.cut_pending and self._cut_request_armed and matches:
             self._cut_request_armed = False
             self._fired("cut_after_request")
             link.cut_pending = True
@@ -408,7 +409,9 @@ class ThreadedFaultProxy:
     """:class:`FaultProxy` on an event loop of its own (a daemon thread), with the same
     methods, all synchronous: for tests that use blocking clients. A context manager."""
 
-    def __init__(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1", listen_port: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, target_host: str, target_port: int, listen_host: str = "127.0.0.1", listen_port: int = 0, **kwargs: Any
+    ) -> None:
         self.proxy = FaultProxy(target_host, target_port, listen_host, listen_port, **kwargs)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

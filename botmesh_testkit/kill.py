@@ -87,9 +87,9 @@ import threading
 import time
 import traceback
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from botmesh.core.backend import READ_OPS, WRITE_OPS, DurabilityBackend
 from botmesh.core.engine import derive_scope
@@ -97,6 +97,8 @@ from botmesh.core.provider import Content, InboundEvent, Provider, ProviderError
 from botmesh.core.records import InboxRecord, OutboxRecord
 
 from .matrix import Violation
+
+_T = TypeVar("_T")
 
 __all__ = [
     "BackendSpec",
@@ -183,7 +185,7 @@ async def build_backend(spec: BackendSpec) -> Built:
         return Built(store.durability(), store, store.close)
     if kind == "postgres":
         try:
-            from botmesh.postgres_store import PostgresDurability  # type: ignore[import-not-found]
+            from botmesh.postgres_store import PostgresDurability
         except ImportError as exc:  # pragma: no cover - arrives with another issue
             raise HarnessError(f"backend spec {spec!r}: botmesh.postgres_store is not available ({exc})") from None
         url = spec[1]
@@ -192,7 +194,7 @@ async def build_backend(spec: BackendSpec) -> Built:
                      MemoryStore())
     if kind == "redis":
         try:
-            from botmesh.redis_store import RedisDurability  # type: ignore[import-not-found]
+            from botmesh.redis_store import RedisDurability
         except ImportError as exc:  # pragma: no cover - arrives with another issue
             raise HarnessError(f"backend spec {spec!r}: botmesh.redis_store is not available ({exc})") from None
         url = spec[1]
@@ -280,18 +282,18 @@ async def read_journal(spec: BackendSpec, scope: str = SCOPE) -> tuple[list[Inbo
     return inbox, outbox
 
 
-def _run_coro(make: Callable[[], Awaitable[Any]]) -> Any:
+def _run_coro(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     """Run a coroutine to completion from synchronous code, also when this thread already
     runs an event loop (an async test calling :meth:`KillLoop.run`): then in a thread."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(make())  # type: ignore[arg-type]
+        return asyncio.run(make())
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["value"] = asyncio.run(make())  # type: ignore[arg-type]
+            box["value"] = asyncio.run(make())
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
@@ -300,7 +302,7 @@ def _run_coro(make: Callable[[], Awaitable[Any]]) -> Any:
     t.join()
     if "error" in box:
         raise box["error"]
-    return box.get("value")
+    return cast(_T, box.get("value"))
 
 
 # =========================================================================================
@@ -641,7 +643,9 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
     markers = _MARKERS = _Markers(conn, cfg.stop_at)
     sending: dict[str, tuple[str, Any]] = {}
     built = await build_backend(cfg.spec)
-    backend = MarkedBackend(built.backend, markers, sending)
+    # MarkedBackend's operations are installed by setattr (and __abstractmethods__
+    # cleared), which mypy cannot see
+    backend = MarkedBackend(built.backend, markers, sending)  # type: ignore[abstract]
     provider = LedgerProvider(cfg, markers, sending)
     options = dict(cfg.durability)
     options.update(backend=backend, instance_id=cfg.instance_id)
@@ -1312,32 +1316,32 @@ def judge(
     for key, ds in by_key.items():
         if key is None:
             continue
-        rec = out_by_key.get(key)
-        if rec is None:
+        orec = out_by_key.get(key)
+        if orec is None:
             v.append(Violation(("OUT-1", "GUAR-2"), f"{key!r} reached the channel {len(ds)}x (incarnations "
                                                     f"{[d.n for d in ds]}) but the outbox has no record of it"))
-    for key, rec in out_by_key.items():
+    for key, orec in out_by_key.items():
         ds = by_key.get(key, [])
         got = len(ds)
         amb = amb_events.get(key, [])
         where = f"incarnations {[d.n for d in ds]}"
         if amb:
-            acc.ambiguous.append(f"{key}: ambiguous in incarnation(s) {amb}, delivered {got}x, ended {rec.state}")
-        if rec.state in ("pending", "sending", "failed"):
-            v.append(Violation(("OUT-7", "OUT-9"), f"outbox {key!r} never settled (state {rec.state!r})"))
-        elif rec.state == "dead":
+            acc.ambiguous.append(f"{key}: ambiguous in incarnation(s) {amb}, delivered {got}x, ended {orec.state}")
+        if orec.state in ("pending", "sending", "failed"):
+            v.append(Violation(("OUT-7", "OUT-9"), f"outbox {key!r} never settled (state {orec.state!r})"))
+        elif orec.state == "dead":
             if not fail_rate:
                 v.append(Violation(("OUT-7", "OUT-8"), f"outbox {key!r} is in the DLQ although the channel never "
-                                                       f"refused a send: {rec.error}"))
-        elif rec.state == "sent" and got == 0:
+                                                       f"refused a send: {orec.error}"))
+        elif orec.state == "sent" and got == 0:
             v.append(Violation(("OUT-1", "GUAR-4"), f"outbox {key!r} is recorded sent but never reached the channel"))
-        elif rec.state == "unknown":
+        elif orec.state == "unknown":
             if policy == "resend":
                 v.append(Violation(("OUT-14",), f"outbox {key!r} marked unknown under on_ambiguous=resend"))
             elif not amb:
                 v.append(Violation(("OUT-14", "OPS-1"), f"outbox {key!r} is unknown without a durability:ambiguous event"))
             elif got == 0:
-                acc.losses.append(f"{key} ({rec.chat_id}, {rec.content.get('text')!r}): never delivered; outbox "
+                acc.losses.append(f"{key} ({orec.chat_id}, {orec.content.get('text')!r}): never delivered; outbox "
                                   f"unknown after durability:ambiguous in incarnation(s) {amb} (OUT-14 skip)")
                 acc.loss_count += 1
         if got > 1:
@@ -1375,14 +1379,14 @@ def judge(
         amb_keys: Counter[tuple[str, str]] = Counter()
         amb_times: Counter[tuple[str, str]] = Counter()
         for key in set(amb_events) | {k for k, r in out_by_key.items() if r.state == "unknown"}:
-            rec = out_by_key.get(key)
-            if rec is not None:
-                item = (rec.chat_id, str(rec.content.get("text")))
+            orec = out_by_key.get(key)
+            if orec is not None:
+                item = (orec.chat_id, str(orec.content.get("text")))
                 amb_keys[item] += 1
                 amb_times[item] += max(1, len(set(amb_events.get(key, []))))
         for item in sorted(set(oracle.deliveries) | set(delivered)):
-            amb = amb_times[item] if policy == "resend" else amb_keys[item]
-            _delivery_rules(policy, item, oracle.deliveries[item], delivered[item], amb, v, excused[item])
+            amb_n = amb_times[item] if policy == "resend" else amb_keys[item]
+            _delivery_rules(policy, item, oracle.deliveries[item], delivered[item], amb_n, v, excused[item])
 
     # -- fencing: every new lease a larger token; no completion under a superseded one --
     claims: dict[tuple[str, str], list[tuple[float, int, int]]] = defaultdict(list)
@@ -1423,11 +1427,11 @@ def judge(
         if inc.end != "stopped" or inc.metrics is None:
             continue
         own = [e for e in events if e.n == inc.n]
-        amb = sum(1 for e in own if e.name == "durability:ambiguous")
+        amb_n = sum(1 for e in own if e.name == "durability:ambiguous")
         dead = sum(1 for e in own if e.name == "durability:dead")
-        if inc.metrics.get("outbox_ambiguous", 0) != amb:
+        if inc.metrics.get("outbox_ambiguous", 0) != amb_n:
             v.append(Violation(("OPS-2", "OUT-14"), f"incarnation {inc.n}: metrics outbox_ambiguous="
-                                                    f"{inc.metrics.get('outbox_ambiguous')} but {amb} ambiguous events"))
+                                                    f"{inc.metrics.get('outbox_ambiguous')} but {amb_n} ambiguous events"))
         if inc.metrics.get("inbound_dead", 0) + inc.metrics.get("outbox_dead", 0) != dead:
             v.append(Violation(("OPS-2", "OPS-1"), f"incarnation {inc.n}: dead counters {inc.metrics.get('inbound_dead')}"
                                                    f"+{inc.metrics.get('outbox_dead')} but {dead} durability:dead events"))
@@ -1727,6 +1731,7 @@ class KillLoop:
             return self.oracle
         if not self.oracle:
             return None
+        assert self.workdir is not None  # run() sets it before asking for the oracle
         run = self._new_run(("sqlite", os.path.join(self.workdir, "oracle", "oracle.db")), "oracle")
         run.add_messages(self.messages)
         t0 = time.monotonic()
@@ -1815,6 +1820,7 @@ class KillLoop:
         notes: list[str] = []
         previous_kill: float | None = None
         previous_info: KillInfo | None = None
+        inc: Incarnation | None  # each cycle starts one; the last settle may end without one
         kill_phase_start = time.monotonic()
         while len(kills) < self.kills:
             # messages are spread over the cycles, so that every cycle has fresh work
@@ -1842,8 +1848,8 @@ class KillLoop:
                 if mode == "delay" and time.monotonic() >= inc.started + amount / 1000.0:
                     break
                 if mode == "marker" and fed and not run.unacked():
-                    last = inc.markers[-1].t if inc.markers else inc.ready_at or inc.started
-                    if time.monotonic() - last > max(0.15, 3 * self.options["poll_ms"] / 1000.0):
+                    last_t = inc.markers[-1].t if inc.markers else inc.ready_at or inc.started
+                    if time.monotonic() - last_t > max(0.15, 3 * self.options["poll_ms"] / 1000.0):
                         mode = "idle"
                         break
             if previous_info is not None and previous_kill is not None:
@@ -1868,7 +1874,8 @@ class KillLoop:
             elif mode == "idle":
                 point = f"idle (planned {planned}; last marker {last})"
             else:
-                point = f"after {1000.0 * (time.monotonic() - inc.started):.0f} ms" + (f", last marker {last}" if last else ", before any marker")
+                point = (f"after {1000.0 * (time.monotonic() - inc.started):.0f} ms"
+                         + (f", last marker {last}" if last else ", before any marker"))
             run.kill(inc, point)
             info = KillInfo(inc.n, mode, point if mode != "delay" else (str(last) if last else "startup"), planned)
             kills.append(info)

@@ -313,9 +313,11 @@ async def check(world: World, truth: Oracle, outcome: Outcome) -> None:
         elif policy == "skip" and got < want - amb:
             v.append(Violation(("GUAR-2", "OUT-1"), f"{item} delivered {got}x, expected {want} ({amb} ambiguous)"))
         elif policy == "resend" and got < want:
-            v.append(Violation(("OUT-14", "GUAR-2"), f"{item} delivered {got}x, expected {want} (lost under on_ambiguous=resend)"))
+            v.append(Violation(("OUT-14", "GUAR-2"), f"{item} delivered {got}x, expected {want} "
+                                                   "(lost under on_ambiguous=resend)"))
         elif policy == "resend" and got > want + amb:
-            v.append(Violation(("OUT-2", "GUAR-4"), f"{item} delivered {got}x, only {amb} ambiguous send(s) account for duplicates"))
+            v.append(Violation(("OUT-2", "GUAR-4"), f"{item} delivered {got}x, only {amb} ambiguous "
+                                                  "send(s) account for duplicates"))
 
     # order of parts and sends per chat (OUT-11, OUT-12): first deliveries keep the oracle's order
     for chat in {c for c, _ in truth.deliveries}:

@@ -395,8 +395,9 @@ class KillLoopItem(pytest.Item):
         if not result.passed:
             ids = sorted(result.violated_ids)
             self.user_properties.append(("botmesh_violated", tuple(ids)))
+            matrix = self.config.getoption("--botmesh-matrix") or self.config.getini("botmesh_matrix")
             raise CellFailed(result.report() + f"\n  rerun: {_rerun_base(self.config)} --botmesh-parts=kills "
-                                               f"--botmesh-matrix={self.config.getoption('--botmesh-matrix') or self.config.getini('botmesh_matrix')} "
+                                               f"--botmesh-matrix={matrix} "
                                                f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
@@ -538,9 +539,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         marker = item.get_closest_marker("spec")
         if marker is not None:
             item.user_properties.append(("botmesh_spec", tuple(marker.args)))
-        backend = _param_backend(item)
-        if backend is not None and ("botmesh_backend", backend) not in item.user_properties:
-            item.user_properties.append(("botmesh_backend", backend))
+        param_backend = _param_backend(item)
+        if param_backend is not None and ("botmesh_backend", param_backend) not in item.user_properties:
+            item.user_properties.append(("botmesh_backend", param_backend))
     items.extend(added)
 
 
@@ -591,7 +592,7 @@ def _part_of(nodeid: str) -> str:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    props = dict(report.user_properties)
+    props: dict[str, Any] = dict(report.user_properties)
     backend = props.get("botmesh_backend")
     if backend is None:
         return

@@ -418,11 +418,11 @@ class RecoveryCoverage:
             funcs = ", ".join(f"{name} {n}" for name, n in pc.functions().items())
             lines.append(f"{point:<{width}}  {pc.cells:>5}  {len(pc.lines):>5}  {_pct(len(pc.lines), self.total):>7.1f}%"
                          f"  {funcs or '-'}")
-        funcs = self.functions()
-        fw = max(len("function"), *(len(f.name) for f in funcs))
+        func_cov = self.functions()
+        fw = max(len("function"), *(len(f.name) for f in func_cov))
         lines.append("")
         lines.append(f"{'function':<{fw}}  {'source':<{len(ENGINE_NAME) + 8}}  reached")
-        for f in funcs:
+        for f in func_cov:
             src = f"{ENGINE_NAME}:{f.first}-{f.last}"
             lines.append(f"{f.name:<{fw}}  {src:<{len(ENGINE_NAME) + 8}}  {f.hit:>3}/{f.total:<3} {f.percent:>5.1f}%")
         never = self.never_reached()

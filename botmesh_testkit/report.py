@@ -216,8 +216,12 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
     from . import plugin
     from .profiles import load_profile
 
-    results: list[Row] = list(config.stash.get(plugin.RESULTS_KEY, []))
-    service_skips: dict[str, str] = dict(config.stash.get(plugin._SKIPS_KEY, {}))
+    # fetched before copying: as an argument of list()/dict(), get() would be asked for a
+    # StashKey of an Iterable/Mapping, and StashKey is invariant
+    stored_results = config.stash.get(plugin.RESULTS_KEY, [])
+    stored_skips = config.stash.get(plugin._SKIPS_KEY, {})
+    results: list[Row] = list(stored_results)
+    service_skips: dict[str, str] = dict(stored_skips)
     skip_reasons = config.stash.get(plugin.SKIP_REASONS_KEY, [])
     kill_lines: dict[str, list[str]] = defaultdict(list)
     for backend, lines in config.stash.get(plugin.KILL_REPORTS_KEY, []):
@@ -247,6 +251,8 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
                 in_parts[reason].add(part)
         skips = [{"reason": reason, "count": count, "parts": sorted(in_parts[reason])}
                  for reason, count in sorted(grouped.items(), key=lambda kv: (-kv[1], kv[0]))]
+        claims: dict[str, bool] | None
+        error: str | None
         if name in service_skips:
             claims, error, versions = None, service_skips[name], backend_versions(name)
         else:
@@ -289,7 +295,7 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
     return {
         "format": FORMAT,
         "verdict": CERTIFIED if backends and all(b["verdict"] == CERTIFIED for b in backends) else NOT_CERTIFIED,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "seed": config.stash[plugin.SEED_KEY],
         "matrix": profile_info,
         "parts": list(plugin._parts(config)),

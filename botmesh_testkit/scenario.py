@@ -57,16 +57,20 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
-from botmesh.core.bot import Bot
+from botmesh.core.bot import Bot, Handler, Pattern
+from botmesh.core.flows import Flow
 from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.testing import SimulatedCrash
 
 from .backends import BackendHarness, resolve
 from .matrix import compress
 from .world import World
+
+_SetupT = TypeVar("_SetupT", bound=Callable[[Bot], object])
+_HandlerT = TypeVar("_HandlerT", bound=Handler)
 
 __all__ = ["CrashPoint", "DRAIN_MS", "Scenario", "ScenarioFailure", "ScenarioSpec", "scenario"]
 
@@ -230,7 +234,7 @@ class Scenario:
         self.backend = backend
         self.ids = tuple(ids)
         self.policy = policy
-        self._setups: list[Callable[[Bot], None]] = []
+        self._setups: list[Callable[[Bot], object]] = []
         durability: dict[str, Any] = {}
         if policy is not None:
             durability["outbox"] = {"on_ambiguous": policy}
@@ -243,17 +247,17 @@ class Scenario:
         for fn in self._setups:
             fn(bot)
 
-    def setup(self, fn: Callable[[Bot], None]) -> Callable[[Bot], None]:
+    def setup(self, fn: _SetupT) -> _SetupT:
         """Decorator: ``fn(bot)`` registers handlers; it runs for every incarnation."""
         self._setups.append(fn)
         return fn
 
-    def on_message(self, handler: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    def on_message(self, handler: _HandlerT) -> _HandlerT:
         """Decorator: the handler of every message no other pattern takes."""
         self._setups.append(lambda bot: bot.otherwise(handler))
         return handler
 
-    def when(self, pattern: Any, handler: Any) -> None:
+    def when(self, pattern: Pattern, handler: Handler | Flow) -> None:
         """``bot.when(pattern, handler)`` on every incarnation (a handler or a Flow)."""
         self._setups.append(lambda bot: bot.when(pattern, handler))
 

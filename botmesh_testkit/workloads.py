@@ -78,18 +78,30 @@ WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
         Workload("no-send", "a handler that sends nothing", _replies(0), [("c1", "a", "m1")], ("INB-1", "INB-2", "INB-3")),
-        Workload("one-send", "a handler that sends once", _replies(1), [("c1", "a", "m1")], ("GUAR-2", "GUAR-3", "GUAR-4", "OUT-1", "OUT-2")),
+        Workload(
+            "one-send", "a handler that sends once", _replies(1), [("c1", "a", "m1")],
+            ("GUAR-2", "GUAR-3", "GUAR-4", "OUT-1", "OUT-2"),
+        ),
         Workload(
             "three-sends", "a handler that sends three times, two messages", _replies(3),
             [("c1", "a", "m1"), ("c2", "b", "m2")], ("GUAR-2", "GUAR-3", "GUAR-4", "OUT-3", "OUT-14"),
         ),
-        Workload("enqueue", "a handler that enqueues a keyed reminder and replies", _enqueue, [("c1", "a", "m1")], ("OUT-10", "OUT-3", "OUT-4")),
-        Workload("split", "a reply over the channel limit, split in parts", _split, [("c1", "a", "m1")], ("OUT-12", "OUT-13"), text_limit=40),
+        Workload(
+            "enqueue", "a handler that enqueues a keyed reminder and replies", _enqueue, [("c1", "a", "m1")],
+            ("OUT-10", "OUT-3", "OUT-4"),
+        ),
+        Workload(
+            "split", "a reply over the channel limit, split in parts", _split, [("c1", "a", "m1")],
+            ("OUT-12", "OUT-13"), text_limit=40,
+        ),
         Workload(
             "flow", "a persistent flow waiting for an answer", _flow, [("c1", "start", "m1")], ("GUAR-5", "FLOW-1"),
             answers=[("c1", "Ana", "m2")],
         ),
-        Workload("retry", "a send the channel refuses twice before accepting", _replies(1), [("c1", "a", "m1")], ("OUT-7", "RETRY-1"), channel_failures=2),
+        Workload(
+            "retry", "a send the channel refuses twice before accepting", _replies(1), [("c1", "a", "m1")],
+            ("OUT-7", "RETRY-1"), channel_failures=2,
+        ),
         Workload("raises", "a handler that sends and then raises", _raises, [("c1", "a", "m1")], ("INB-6",)),
     ]
 }

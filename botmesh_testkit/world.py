@@ -84,7 +84,10 @@ class World:
         options = {"backend": backend, "instance_id": self.instance_id, **self.options, **durability}
         bot = Bot(provider, store, options, clock=self.clock, rng=random.Random(self.rng.random()))
         for name in ("error", "durability:dead", "durability:ambiguous"):
-            bot.on(name, lambda payload, name=name, n=self.incarnations + 1: self._record(n, name, payload))
+            def listener(payload: dict[str, Any], name: str = name, n: int = self.incarnations + 1) -> None:
+                self._record(n, name, payload)
+
+            bot.on(name, listener)
         if self.setup is not None:
             self.setup(bot)
         self.bot = bot

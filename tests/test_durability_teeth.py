@@ -213,7 +213,9 @@ class RacyClaims(KvDurability):
         while True:  # last write wins
             latest = await self.kv.get(scope, space, key)
             try:
-                await self.kv.put(scope, space, key, new, expected_version=latest.version if latest else 0, due=due, expires=expires)
+                await self.kv.put(
+                    scope, space, key, new, expected_version=latest.version if latest else 0, due=due, expires=expires
+                )
                 return new
             except VersionConflict:
                 continue

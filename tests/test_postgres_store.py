@@ -790,8 +790,8 @@ async def test_a_bot_on_postgres_processes_a_message_and_a_restarted_bot_sees_it
     await bot.stop()
 
     provider2 = MockProvider()
-    restarted = Bot(provider2, MemoryStore(), {"backend": PostgresDurability(connection_string=pg_url, table_prefix=prefix, max_size=2),
-                                               "instance_id": "bot-1"})
+    backend2 = PostgresDurability(connection_string=pg_url, table_prefix=prefix, max_size=2)
+    restarted = Bot(provider2, MemoryStore(), {"backend": backend2, "instance_id": "bot-1"})
     greet(restarted)
     await restarted.start()
     try:
@@ -865,7 +865,8 @@ def test_harness_storage_is_derived_from_the_workdir(pg_url: str, tmp_path: Path
     """The same workdir means the same table; another workdir another one; the prefix is
     a valid ``table_prefix``; the harness claims every capability of the backend."""
     a = PostgresHarness(str(tmp_path / "a"), url=pg_url)
-    assert a.table_prefix == PostgresHarness(str(tmp_path / "a"), url=pg_url).table_prefix == table_prefix_for(str(tmp_path / "a"))
+    again = PostgresHarness(str(tmp_path / "a"), url=pg_url)
+    assert a.table_prefix == again.table_prefix == table_prefix_for(str(tmp_path / "a"))
     assert a.table_prefix != PostgresHarness(str(tmp_path / "b"), url=pg_url).table_prefix
     assert re.fullmatch(r"bm_[0-9a-f]{10}_", a.table_prefix)
     assert a.capabilities == ALL_CAPABILITIES and a.name == "postgres"

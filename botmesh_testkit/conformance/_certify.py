@@ -19,7 +19,7 @@ from .kv import DurableKvConformance, KvFactory
 class TestDurability(DurabilityConformance):
     @pytest.fixture
     def botmesh_harness_factory(self, botmesh_certified_backend: str) -> Callable[[str], BackendHarness]:
-        return resolve(botmesh_certified_backend)  # type: ignore[return-value]
+        return resolve(botmesh_certified_backend)
 
 
 class TestDurableKv(DurableKvConformance):
@@ -35,4 +35,4 @@ class TestDurableKv(DurableKvConformance):
 class TestServerFaults(ServerFaultConformance):
     @pytest.fixture
     def botmesh_harness_factory(self, botmesh_certified_backend: str) -> Callable[[str], BackendHarness]:
-        return resolve(botmesh_certified_backend)  # type: ignore[return-value]
+        return resolve(botmesh_certified_backend)

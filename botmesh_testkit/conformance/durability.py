@@ -75,7 +75,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytest
 from botmesh.core.backend import DurabilityBackend
@@ -85,6 +85,9 @@ from botmesh.core.store import Store
 
 from ..backends import BackendHarness
 from .kv import Scopes
+
+if TYPE_CHECKING:
+    from botmesh.core.bot import Bot
 
 __all__ = [
     "INC_1",
@@ -132,7 +135,9 @@ def inbound(
 ) -> InboxRecord:
     """An inbox record as the engine journals an admitted event (INB-1): ``leased`` to
     ``owner`` until ``now + lease_ms``, attempts 1, token 1."""
-    event = {"id": id, "chat_id": chat_id, "text": text, "kind": "message", "user_id": "user-1", "data": {}, "media": None}
+    event: dict[str, Any] = {
+        "id": id, "chat_id": chat_id, "text": text, "kind": "message", "user_id": "user-1", "data": {}, "media": None
+    }
     return InboxRecord(
         id=id, kind="message", chat_id=chat_id, event=event, state="leased", attempts=1, token=1, owner=owner,
         incarnation=incarnation, lease_until=now + lease_ms, claimed_at=now, created_at=now, updated_at=now,
@@ -274,9 +279,9 @@ class DurabilityTest:
         b = self.backend
         for scope in (*self.scopes.all, *self.bot_scopes):
             with contextlib.suppress(Exception):
-                for rec in await b.outbox_list(scope, limit=10_000):
+                for out in await b.outbox_list(scope, limit=10_000):
                     with contextlib.suppress(Exception):
-                        await b.outbox_discard(scope, rec.key)
+                        await b.outbox_discard(scope, out.key)
             with contextlib.suppress(Exception):
                 for rec in await b.inbox_list(scope, limit=10_000):
                     with contextlib.suppress(Exception):
@@ -333,6 +338,7 @@ class _Journal:
         self, scope: str, id: str, *, owner: str = OWNER_A, incarnation: str = INC_1, now: float = T0,
         lease_ms: float = LEASE_MS,
     ) -> Any:
+        stored: InboxRecord | OutboxRecord
         if self.kind == "inbox":
             stored, _ = await self.b.inbox_journal(
                 scope, inbound(id, owner=owner, incarnation=incarnation, now=now, lease_ms=lease_ms)
@@ -473,7 +479,9 @@ class DurabilityConformance:
     # INB — the inbox
     # ==================================================================================
     @pytest.mark.spec("INB-1")
-    def test_inb1_journal_stores_the_inbound_record_as_given(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_inb1_journal_stores_the_inbound_record_as_given(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """INB-1: ``inbox_journal`` of a new id creates the record and returns it with
         ``created=True``; ``inbox_get`` and ``inbox_list`` then return exactly the record
         journaled — every field, the event payload, and fields unknown to this version
@@ -505,7 +513,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("INB-4")
-    def test_inb4_journal_of_an_existing_id_returns_the_stored_record(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_inb4_journal_of_an_existing_id_returns_the_stored_record(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """INB-4: journaling an id that exists returns the stored record and
         ``created=False`` and changes nothing — while it is leased and after it is
         done."""
@@ -546,7 +556,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("INB-4", "REPL-1")
-    def test_inb4_concurrent_journals_of_one_id_create_it_once(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_inb4_concurrent_journals_of_one_id_create_it_once(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """INB-4, REPL-1: the same inbound event journaled by many tasks at once is
         created exactly once; every other call gets the stored (winning) record and
         ``created=False``."""
@@ -643,7 +655,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("INB-5")
-    def test_inb5_retry_later_makes_the_record_pending_until_next_at(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_inb5_retry_later_makes_the_record_pending_until_next_at(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """INB-5: ``inbox_retry_later`` moves a leased record to ``pending`` with its
         ``next_at`` and error; it is due, and claimable, only from ``next_at`` on; the
         claim then leases it with a larger token."""
@@ -663,11 +677,15 @@ class DurabilityConformance:
             assert early == [], f"INB-5: a pending record is not due before next_at; inbox_due(T0+4999) lists {early!r}"
             on_time = await b.inbox_due(t.a, upto=T0 + 5_000, limit=10)
             assert on_time == ["m1"], f"INB-5: a pending record is due at next_at; inbox_due(T0+5000) lists {on_time!r}"
-            claimed = await b.inbox_claim(t.a, "m1", owner=OWNER_B, incarnation=INC_2, now=T0 + 4_999, lease_ms=LEASE_MS, recover=False)
+            claimed = await b.inbox_claim(
+                t.a, "m1", owner=OWNER_B, incarnation=INC_2, now=T0 + 4_999, lease_ms=LEASE_MS, recover=False
+            )
             assert claimed is None, f"INB-5: a pending record is not claimable before next_at; the claim returned {_j(claimed)!r}"
             unchanged = await b.inbox_get(t.a, "m1")
             assert _j(unchanged) == _j(rec), f"INB-5: a refused claim changes nothing; it changed {_changes(rec, unchanged)}"
-            claimed = await b.inbox_claim(t.a, "m1", owner=OWNER_B, incarnation=INC_2, now=T0 + 5_000, lease_ms=LEASE_MS, recover=False)
+            claimed = await b.inbox_claim(
+                t.a, "m1", owner=OWNER_B, incarnation=INC_2, now=T0 + 5_000, lease_ms=LEASE_MS, recover=False
+            )
             assert claimed is not None and claimed.state == "leased" and claimed.owner == OWNER_B, (
                 f"INB-5: a pending record is claimable at next_at (leased to the claimer); the claim returned {_j(claimed)!r}"
             )
@@ -690,7 +708,7 @@ class DurabilityConformance:
             assert rec.attempts == 1
             now = T0
             for expected in (2, 3, 4):
-                now = rec.lease_until
+                now = cast(float, rec.lease_until)  # set by the journal and by every claim
                 got = await b.inbox_claim(t.a, "m1", owner=OWNER_B, incarnation=INC_2, now=now, lease_ms=LEASE_MS, recover=False)
                 assert got is not None and got.attempts == expected, (
                     f"INB-7: every claim charges one execution: attempts must be {expected} after this claim; got "
@@ -753,7 +771,9 @@ class DurabilityConformance:
     # ==================================================================================
     @pytest.mark.spec("LEASE-1")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_lease1_claim_leases_until_now_plus_lease_ms(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_lease1_claim_leases_until_now_plus_lease_ms(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """LEASE-1: a claim leases the record to ``owner`` (and ``incarnation``) until
         ``now + lease_ms``; the record is due again exactly at that time."""
 
@@ -781,7 +801,9 @@ class DurabilityConformance:
 
     @pytest.mark.spec("LEASE-1", "REPL-3")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_lease1_heartbeat_extends_the_lease_and_never_shortens_it(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_lease1_heartbeat_extends_the_lease_and_never_shortens_it(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """LEASE-1, REPL-3: a heartbeat with the lease's token extends ``lease_until``:
         the record is no longer due at the old deadline and nobody else can claim it
         there; a heartbeat with an earlier deadline never shortens the lease."""
@@ -818,7 +840,9 @@ class DurabilityConformance:
 
     @pytest.mark.spec("LEASE-2", "REPL-1")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_lease2_an_unexpired_lease_is_never_claimed(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_lease2_an_unexpired_lease_is_never_claimed(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """LEASE-2, REPL-1: while ``now < lease_until`` nobody claims the record —
         another owner (with or without ``recover``), or the holder's own incarnation —
         and a refused claim changes nothing."""
@@ -845,7 +869,9 @@ class DurabilityConformance:
 
     @pytest.mark.spec("LEASE-2")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_lease2_an_expired_lease_is_taken_over_with_a_larger_token(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_lease2_an_expired_lease_is_taken_over_with_a_larger_token(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """LEASE-2: when a lease expires (``lease_until <= now``) another owner takes
         the record with a new, larger fencing token; and so on, each takeover with a
         larger token."""
@@ -932,13 +958,15 @@ class DurabilityConformance:
             assert await b.outbox_mark_dead(t.a, "k1", token=rec.token, now=T0 + 1_003, error="e") is True
             assert await b.outbox_retry(t.a, "k1", now=T0 + 1_004) is True
             rec = await claim(T0 + 1_004, "after dead and retry")
-            await claim(rec.lease_until, "after the lease expired")
+            await claim(cast(float, rec.lease_until), "after the lease expired")  # a claimed send has a lease_until
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("LEASE-2", "REPL-1")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_lease2_a_stale_token_is_refused_and_changes_nothing(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_lease2_a_stale_token_is_refused_and_changes_nothing(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """LEASE-2, REPL-1: after another owner took the record over, every fenced
         operation of the old owner (its token) returns False and changes nothing — so
         does a token from the future; the new owner's token works. Once settled, no
@@ -979,7 +1007,9 @@ class DurabilityConformance:
 
     @pytest.mark.spec("LEASE-4")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_lease4_a_restarted_incarnation_recovers_its_own_lease_at_once(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_lease4_a_restarted_incarnation_recovers_its_own_lease_at_once(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """LEASE-4: with ``recover``, the same ``owner`` under another ``incarnation``
         takes back its unexpired lease at once, with a larger token; not without
         ``recover``, not under the same incarnation, never another owner. The dead
@@ -995,25 +1025,33 @@ class DurabilityConformance:
             ]
             for owner, inc, recover, why in refused:
                 got = await j.claim(t.a, "r1", owner=owner, incarnation=inc, now=T0 + 1, recover=recover)
-                assert got is None, f"LEASE-4: an unexpired {journal} lease is not recovered {why}; the claim returned {_j(got)!r}"
+                assert got is None, (
+                    f"LEASE-4: an unexpired {journal} lease is not recovered {why}; the claim returned {_j(got)!r}"
+                )
             got = await j.claim(t.a, "r1", owner=OWNER_A, incarnation=INC_2, now=T0 + 1, recover=True)
             assert got is not None, (
                 f"LEASE-4: the same owner under another incarnation must recover its unexpired {journal} lease at once "
                 "(recover=True); the claim returned None"
             )
-            assert (got.owner, got.incarnation, got.lease_until) == (OWNER_A, INC_2, T0 + 1 + LEASE_MS) and got.token > rec.token, (
+            assert (
+                (got.owner, got.incarnation, got.lease_until) == (OWNER_A, INC_2, T0 + 1 + LEASE_MS) and got.token > rec.token
+            ), (
                 "LEASE-4: the recovered lease belongs to the new incarnation until now + lease_ms with a larger token; "
                 f"got owner={got.owner!r}, incarnation={got.incarnation!r}, lease_until={got.lease_until!r}, "
                 f"token {rec.token!r} -> {got.token!r}"
             )
             ok = await j.settle(t.a, "r1", token=rec.token, now=T0 + 2)
-            assert ok is False, f"LEASE-4/LEASE-2: the dead incarnation's token is stale after the recovery; settling returned {ok!r}"
+            assert ok is False, (
+                f"LEASE-4/LEASE-2: the dead incarnation's token is stale after the recovery; settling returned {ok!r}"
+            )
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("REPL-1", "LEASE-2")
     @pytest.mark.parametrize("journal", JOURNALS)
-    def test_repl1_concurrent_claims_have_exactly_one_winner(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str) -> None:
+    def test_repl1_concurrent_claims_have_exactly_one_winner(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any, journal: str
+    ) -> None:
         """REPL-1: many owners claiming one expired lease at the same time: exactly one
         gets it (the stored owner is the winner, with a larger token); twice in a
         row."""
@@ -1041,7 +1079,9 @@ class DurabilityConformance:
                     f"REPL-1: the stored lease is the winner's ({winners[0].owner!r}, token {winners[0].token}); "
                     f"got {_j(stored)!r}"
                 )
-                assert stored.token > rec.token, f"LEASE-2: the winner's token must be larger than {rec.token}; got {stored.token}"
+                assert stored.token > rec.token, (
+                    f"LEASE-2: the winner's token must be larger than {rec.token}; got {stored.token}"
+                )
                 rec = stored
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)
@@ -1069,14 +1109,18 @@ class DurabilityConformance:
                 assert absent is None, f"OUT-1: outbox_get of a key never journaled must return None; got {absent!r}"
                 stored, created = await b.outbox_journal(t.a, rec)
                 assert created is True, f"OUT-1: outbox_journal of a new key must return created=True; got {created!r}"
-                assert _j(stored) == _j(rec), f"OUT-1: outbox_journal returns the record journaled; differs in {_changes(rec, stored)}"
+                assert _j(stored) == _j(rec), (
+                    f"OUT-1: outbox_journal returns the record journaled; differs in {_changes(rec, stored)}"
+                )
                 got = await b.outbox_get(t.a, rec.key)
                 assert _j(got) == _j(rec), (
                     "OUT-1: a send is journaled before the provider is called, exactly as given (content with bytes "
                     f"as base64, fingerprint, part link, unknown fields); outbox_get of {rec.key!r} differs in "
                     f"{_changes(rec, got)}"
                 )
-            stolen = await b.outbox_claim(t.a, "m1:1", owner=OWNER_B, incarnation=INC_2, now=T0 + 1, lease_ms=LEASE_MS, recover=True)
+            stolen = await b.outbox_claim(
+                t.a, "m1:1", owner=OWNER_B, incarnation=INC_2, now=T0 + 1, lease_ms=LEASE_MS, recover=True
+            )
             assert stolen is None, (
                 f"OUT-1: a record journaled in state sending is leased to its owner; another owner's claim returned {stolen!r}"
             )
@@ -1094,7 +1138,9 @@ class DurabilityConformance:
             b = t.backend
             await b.outbox_journal(t.a, outbound("k-inline"))
             await b.outbox_journal(t.a, outbound("k-queued", state="pending"))
-            claim = await b.outbox_claim(t.a, "k-queued", owner=OWNER_A, incarnation=INC_1, now=T0, lease_ms=LEASE_MS, recover=False)
+            claim = await b.outbox_claim(
+                t.a, "k-queued", owner=OWNER_A, incarnation=INC_1, now=T0, lease_ms=LEASE_MS, recover=False
+            )
             assert claim is not None, "OUT-1: setting up: the claim of a due pending send must succeed"
             for key, token, message_id in (("k-inline", 1, "wamid.HBgL-1"), ("k-queued", claim[0].token, "wamid.HBgL-2")):
                 ok = await b.outbox_mark_sent(t.a, key, token=token, message_id=message_id, now=T0 + 10, expires_at=T0 + 1000)
@@ -1132,15 +1178,23 @@ class DurabilityConformance:
                 f"created={created!r}, record differing in {_changes(sent, stored)}"
             )
             calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
-                ("outbox_claim (expired, other owner)", lambda: b.outbox_claim(t.a, "k1", owner=OWNER_B, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=False)),
-                ("outbox_claim (recover, same owner)", lambda: b.outbox_claim(t.a, "k1", owner=OWNER_A, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True)),
-                ("outbox_mark_sent (again)", lambda: b.outbox_mark_sent(t.a, "k1", token=1, message_id="wamid.2", now=T0 + 2, expires_at=None)),
+                ("outbox_claim (expired, other owner)", lambda: b.outbox_claim(
+                    t.a, "k1", owner=OWNER_B, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=False
+                )),
+                ("outbox_claim (recover, same owner)", lambda: b.outbox_claim(
+                    t.a, "k1", owner=OWNER_A, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True
+                )),
+                ("outbox_mark_sent (again)", lambda: b.outbox_mark_sent(
+                    t.a, "k1", token=1, message_id="wamid.2", now=T0 + 2, expires_at=None
+                )),
                 ("outbox_mark_failed", lambda: b.outbox_mark_failed(t.a, "k1", token=1, next_at=T0 + 2, error="e")),
                 ("outbox_mark_unknown", lambda: b.outbox_mark_unknown(t.a, "k1", token=1, now=T0 + 2)),
                 ("outbox_mark_dead (token)", lambda: b.outbox_mark_dead(t.a, "k1", token=1, now=T0 + 2, error="e")),
                 ("outbox_mark_dead (token=None)", lambda: b.outbox_mark_dead(t.a, "k1", token=None, now=T0 + 2, error="e")),
                 ("outbox_heartbeat", lambda: b.outbox_heartbeat(t.a, "k1", token=1, lease_until=FAR)),
-                ("outbox_split (token=None)", lambda: b.outbox_split(t.a, "k1", token=None, content={"type": "text", "text": "x"})),
+                ("outbox_split (token=None)", lambda: b.outbox_split(
+                    t.a, "k1", token=None, content={"type": "text", "text": "x"}
+                )),
                 ("outbox_retry", lambda: b.outbox_retry(t.a, "k1", now=T0 + 2)),
             ]
             for name, call in calls:
@@ -1156,7 +1210,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-2", "OUT-10")
-    def test_out2_journal_of_an_existing_key_returns_the_stored_record(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out2_journal_of_an_existing_key_returns_the_stored_record(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-2, OUT-10: the outbox journal is create-if-absent by idempotency key:
         journaling a key that exists — pending, sending or failed — returns the stored
         record and ``created=False`` and changes nothing (a second enqueue of the same
@@ -1174,8 +1230,8 @@ class DurabilityConformance:
                     again = outbound(key, state=state, chat_id="chat-2", text="second", owner=OWNER_B, now=T0 + 7)
                     stored, created = await b.outbox_journal(t.a, again)
                     assert created is False and _j(stored) == _j(before), (
-                        f"OUT-2/OUT-10: outbox_journal of the existing key {key!r} ({before.state}) must return the "
-                        f"stored record and created=False; got created={created!r}, record differing in "
+                        f"OUT-2/OUT-10: outbox_journal of the existing key {key!r} ({getattr(before, 'state', None)}) "
+                        f"must return the stored record and created=False; got created={created!r}, record differing in "
                         f"{_changes(before, stored)}"
                     )
                     after = await b.outbox_get(t.a, key)
@@ -1188,7 +1244,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-10", "REPL-1")
-    def test_out10_concurrent_journals_of_one_key_create_it_once(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out10_concurrent_journals_of_one_key_create_it_once(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-10, REPL-1: many tasks journaling one idempotency key at once create it
         exactly once; every other call gets the stored record and ``created=False``."""
         n = self.concurrent_tasks
@@ -1212,7 +1270,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-10")
-    def test_out10_an_enqueued_send_is_due_and_claimable_at_next_at(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out10_an_enqueued_send_is_due_and_claimable_at_next_at(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-10: an enqueued (``pending``) send is due at its ``next_at`` and not
         before; it is claimable from then on: the claim returns it ``sending`` with a
         larger token, one more attempt, and the previous state ``pending``."""
@@ -1226,9 +1286,13 @@ class DurabilityConformance:
                 f"OUT-10: an enqueued send is due at its next_at (T0+1000), not before; due(T0+999) = {early!r}, "
                 f"due(T0+1000) = {on_time!r}"
             )
-            got = await b.outbox_claim(t.a, "reminder:1", owner=OWNER_A, incarnation=INC_1, now=T0 + 999, lease_ms=LEASE_MS, recover=False)
+            got = await b.outbox_claim(
+                t.a, "reminder:1", owner=OWNER_A, incarnation=INC_1, now=T0 + 999, lease_ms=LEASE_MS, recover=False
+            )
             assert got is None, f"OUT-10: an enqueued send is not claimable before its next_at; the claim returned {got!r}"
-            got = await b.outbox_claim(t.a, "reminder:1", owner=OWNER_A, incarnation=INC_1, now=T0 + 1_000, lease_ms=LEASE_MS, recover=False)
+            got = await b.outbox_claim(
+                t.a, "reminder:1", owner=OWNER_A, incarnation=INC_1, now=T0 + 1_000, lease_ms=LEASE_MS, recover=False
+            )
             assert got is not None, "OUT-10: an enqueued send is claimable at its next_at; the claim returned None"
             new, previous = got
             assert (new.state, previous, new.owner) == ("sending", "pending", OWNER_A), (
@@ -1264,14 +1328,19 @@ class DurabilityConformance:
                 f"OUT-7: a failed send is due at its next_at (T0+2000), not before; due(T0+1999) = {early!r}, "
                 f"due(T0+2000) = {on_time!r}"
             )
-            got = await b.outbox_claim(t.a, "k1", owner=OWNER_A, incarnation=INC_1, now=T0 + 1_999, lease_ms=LEASE_MS, recover=False)
+            got = await b.outbox_claim(
+                t.a, "k1", owner=OWNER_A, incarnation=INC_1, now=T0 + 1_999, lease_ms=LEASE_MS, recover=False
+            )
             assert got is None, f"OUT-7: a failed send is not retried before its next_at; the claim returned {got!r}"
-            got = await b.outbox_claim(t.a, "k1", owner=OWNER_A, incarnation=INC_1, now=T0 + 2_000, lease_ms=LEASE_MS, recover=False)
+            got = await b.outbox_claim(
+                t.a, "k1", owner=OWNER_A, incarnation=INC_1, now=T0 + 2_000, lease_ms=LEASE_MS, recover=False
+            )
             assert got is not None and got[1] == "failed" and got[0].state == "sending", (
                 f"OUT-7: a failed send is claimable at next_at, returning (sending record, 'failed'); got {got!r}"
             )
             assert got[0].attempts == 2 and got[0].token > 1, (
-                f"OUT-7: the retry counts a second attempt with a larger token; got attempts {got[0].attempts}, token {got[0].token}"
+                "OUT-7: the retry counts a second attempt with a larger token; got attempts "
+                f"{got[0].attempts}, token {got[0].token}"
             )
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)
@@ -1350,13 +1419,17 @@ class DurabilityConformance:
             )
             due = await b.outbox_due(t.a, upto=INF, limit=100)
             assert due == [], f"OUT-8: a dead send is never due; outbox_due lists {due!r}"
-            got = await b.outbox_claim(t.a, "k-sending", owner=OWNER_A, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True)
+            got = await b.outbox_claim(
+                t.a, "k-sending", owner=OWNER_A, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True
+            )
             assert got is None, f"OUT-8: a dead send is never claimed; the claim returned {got!r}"
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-14")
-    def test_out14_an_expired_send_is_claimed_as_ambiguous_and_marked_unknown(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out14_an_expired_send_is_claimed_as_ambiguous_and_marked_unknown(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-14: the claim of a send whose ``sending`` lease expired (its owner died
         during the provider call) reports the previous state ``sending`` — the
         ambiguity the caller resolves; so does a recovery claim (LEASE-4).
@@ -1366,7 +1439,9 @@ class DurabilityConformance:
         async def body(t: DurabilityTest) -> None:
             b = t.backend
             await b.outbox_journal(t.a, outbound("k1"))
-            got = await b.outbox_claim(t.a, "k1", owner=OWNER_B, incarnation=INC_2, now=T0 + LEASE_MS, lease_ms=LEASE_MS, recover=False)
+            got = await b.outbox_claim(
+                t.a, "k1", owner=OWNER_B, incarnation=INC_2, now=T0 + LEASE_MS, lease_ms=LEASE_MS, recover=False
+            )
             assert got is not None and got[1] == "sending", (
                 f"OUT-14: the claim of an expired sending lease must report the previous state 'sending'; got {got!r}"
             )
@@ -1391,7 +1466,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-12")
-    def test_out12_parts_are_independent_records_linked_by_previous_part(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out12_parts_are_independent_records_linked_by_previous_part(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-12: parts ``key``, ``key#2``, ``key#3`` are independent records; the link
         is the stored ``previous_part``, never inferred from the key: a user's key
         ending in ``#2`` has none, and a part keeps its link when the earlier part is
@@ -1407,10 +1484,14 @@ class DurabilityConformance:
             ]
             for rec in parts:
                 _, created = await b.outbox_journal(t.a, rec)
-                assert created is True, f"OUT-12: each part is its own record; journaling {rec.key!r} returned created={created!r}"
+                assert created is True, (
+                    f"OUT-12: each part is its own record; journaling {rec.key!r} returned created={created!r}"
+                )
             for rec in parts:
                 got = await b.outbox_get(t.a, rec.key)
-                assert got is not None and (got.previous_part, got.part, got.content) == (rec.previous_part, rec.part, rec.content), (
+                assert got is not None and (
+                    (got.previous_part, got.part, got.content) == (rec.previous_part, rec.part, rec.content)
+                ), (
                     f"OUT-12: the part link is stored in the record; {rec.key!r}: expected previous_part="
                     f"{rec.previous_part!r}, part={rec.part}, got {_j(got)!r}"
                 )
@@ -1423,24 +1504,27 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-13")
-    def test_out13_split_replaces_the_content_and_nothing_else(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out13_split_replaces_the_content_and_nothing_else(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-13: ``outbox_split`` replaces a record's content by its first part and
         changes nothing else: with ``token=None`` only for a ``pending``/``failed``
         record, with a token only for the ``sending`` lease of that token."""
 
         async def body(t: DurabilityTest) -> None:
             b = t.backend
-            first = {"type": "text", "text": "first part"}
+            first: dict[str, object] = {"type": "text", "text": "first part"}
             await b.outbox_journal(t.a, outbound("k-pending", state="pending", text="x" * 5000))
             before = await b.outbox_get(t.a, "k-pending")
+            assert before is not None
             ok = await b.outbox_split(t.a, "k-pending", token=None, content=first)
             after = await b.outbox_get(t.a, "k-pending")
             assert ok is True and after is not None and after.content == first, (
                 f"OUT-13: outbox_split(token=None) of a pending record replaces its content; it returned {ok!r}, "
                 f"content {getattr(after, 'content', None)!r}"
             )
-            assert _j(after.copy(content=before.content)) == _j(before), (  # type: ignore[union-attr]
-                f"OUT-13: outbox_split changes the content only; it also changed {_changes(before.copy(content=first), after)}"  # type: ignore[union-attr]
+            assert _j(after.copy(content=before.content)) == _j(before), (
+                f"OUT-13: outbox_split changes the content only; it also changed {_changes(before.copy(content=first), after)}"
             )
             await b.outbox_journal(t.a, outbound("k-sending", text="y" * 5000))
             sending = await b.outbox_get(t.a, "k-sending")
@@ -1492,7 +1576,9 @@ class DurabilityConformance:
                 )
             states = {r.id: r.state for r in await b.inbox_list(t.a)}
             expected_states = {"m1": "dead", "m2": "pending", "m3": "done", "m4": "leased", "m5": "dead"}
-            assert states == expected_states, f"OPS-2: inbox_list shows each record's state; expected {expected_states!r}, got {states!r}"
+            assert states == expected_states, (
+                f"OPS-2: inbox_list shows each record's state; expected {expected_states!r}, got {states!r}"
+            )
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
@@ -1545,7 +1631,8 @@ class DurabilityConformance:
             replayed = await b.inbox_replay(t.a, "m1", now=T0 + 100)
             stored = await b.inbox_get(t.a, "m1")
             assert replayed is not None and _j(replayed) == _j(stored), (
-                f"OPS-2: inbox_replay of a dead record returns the stored record; returned {_j(replayed)!r}, stored {_j(stored)!r}"
+                "OPS-2: inbox_replay of a dead record returns the stored record; returned "
+                f"{_j(replayed)!r}, stored {_j(stored)!r}"
             )
             assert stored is not None and stored.state == "pending" and stored.attempts == 0, (
                 f"OPS-2/INB-7: a replayed record is pending with its attempts reset; got {_j(stored)!r}"
@@ -1557,9 +1644,12 @@ class DurabilityConformance:
             assert early == [] and on_time == ["m1"], (
                 f"OPS-2: a replayed record is due now (T0+100); due(T0+99) = {early!r}, due(T0+100) = {on_time!r}"
             )
-            claimed = await b.inbox_claim(t.a, "m1", owner=OWNER_A, incarnation=INC_1, now=T0 + 100, lease_ms=LEASE_MS, recover=False)
+            claimed = await b.inbox_claim(
+                t.a, "m1", owner=OWNER_A, incarnation=INC_1, now=T0 + 100, lease_ms=LEASE_MS, recover=False
+            )
             assert claimed is not None and claimed.attempts == 1 and claimed.token > 1, (
-                f"OPS-2: a replayed record is claimable now, as a first charged execution with a larger token; got {_j(claimed)!r}"
+                "OPS-2: a replayed record is claimable now, as a first charged execution with a larger token; "
+                f"got {_j(claimed)!r}"
             )
             leased = await b.inbox_get(t.a, "m1")
             refused = await b.inbox_replay(t.a, "m1", now=T0 + 101)
@@ -1579,7 +1669,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OPS-2")
-    def test_ops2_retry_send_of_a_dead_failed_or_unknown_send(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_ops2_retry_send_of_a_dead_failed_or_unknown_send(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OPS-2: ``outbox_retry`` makes a ``dead``, ``failed`` or ``unknown`` send
         ``pending`` now with its attempts reset; it is due and claimable at once. A
         ``sent``, ``sending`` or ``pending`` send, or an absent key, gives False and
@@ -1606,7 +1698,9 @@ class DurabilityConformance:
                 f"OPS-2: retried sends are due now (T0+100); outbox_due lists {due!r}"
             )
             for key in ("k-dead", "k-failed", "k-unknown"):
-                got = await b.outbox_claim(t.a, key, owner=OWNER_A, incarnation=INC_1, now=T0 + 100, lease_ms=LEASE_MS, recover=False)
+                got = await b.outbox_claim(
+                    t.a, key, owner=OWNER_A, incarnation=INC_1, now=T0 + 100, lease_ms=LEASE_MS, recover=False
+                )
                 assert got is not None and got[0].attempts == 1 and got[0].token > 1, (
                     f"OPS-2: a retried send is claimable now, as a first attempt with a larger token; {key!r}: {got!r}"
                 )
@@ -1651,7 +1745,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OPS-3", "INB-4")
-    def test_ops3_inbox_purge_removes_only_expired_done_records(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_ops3_inbox_purge_removes_only_expired_done_records(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OPS-3: ``inbox_purge`` deletes up to ``limit`` ``done`` records whose
         ``expires_at <= now`` and returns how many; nothing else — not a done record
         expiring later or kept (``None``), not a leased, pending, dead or replayed one.
@@ -1692,7 +1788,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OPS-3", "OUT-2")
-    def test_ops3_outbox_purge_removes_only_expired_sent_records(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_ops3_outbox_purge_removes_only_expired_sent_records(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OPS-3: ``outbox_purge`` deletes up to ``limit`` ``sent`` records whose
         ``expires_at <= now`` and returns how many; nothing else — not a sent record
         expiring later or kept (``None``), not a pending, sending, failed, dead or
@@ -1761,12 +1859,16 @@ class DurabilityConformance:
             due = await b.inbox_due(t.b, upto=INF, limit=100)
             assert due == ["m1"], f"SCOPE-2: inbox_due sees only its own scope; got {due!r}"
             claims = [
-                ("inbox_claim of the other scope's record", await b.inbox_claim(t.b, "m3", owner=OWNER_B, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True)),
+                ("inbox_claim of the other scope's record", await b.inbox_claim(
+                    t.b, "m3", owner=OWNER_B, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True
+                )),
                 ("inbox_replay of the other scope's dead record", await b.inbox_replay(t.b, "m3", now=T0)),
                 ("inbox_kill of the other scope's record", await b.inbox_kill(t.b, "m2", token=None, now=T0, error="e") or None),
             ]
             for what, result in claims:
-                assert result is None, f"SCOPE-2: {what} must find nothing; it returned {_j(result) if not isinstance(result, bool) else result!r}"
+                assert result is None, (
+                    f"SCOPE-2: {what} must find nothing; it returned {_j(result) if not isinstance(result, bool) else result!r}"
+                )
             assert await b.inbox_complete(t.b, "m1", token=b_m1.token, now=T0, expires_at=T0 + 5) is True
             purged = await b.inbox_purge(t.b, now=FAR, limit=100)
             assert purged == 1, f"SCOPE-2: inbox_purge purges its own scope's expired record only; it returned {purged!r}"
@@ -1809,16 +1911,23 @@ class DurabilityConformance:
             assert due == ["reminder:1"], f"SCOPE-2: outbox_due sees only its own scope; got {due!r}"
             results: list[tuple[str, Any]] = [
                 ("outbox_get of the other scope's key", await b.outbox_get(t.b, "k-dead")),
-                ("outbox_claim of the other scope's key", await b.outbox_claim(t.b, "k-pending", owner=OWNER_B, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True)),
+                ("outbox_claim of the other scope's key", await b.outbox_claim(
+                    t.b, "k-pending", owner=OWNER_B, incarnation=INC_2, now=FAR, lease_ms=LEASE_MS, recover=True
+                )),
                 ("outbox_retry of the other scope's dead send", await b.outbox_retry(t.b, "k-dead", now=T0) or None),
                 ("outbox_discard of the other scope's send", await b.outbox_discard(t.b, "k-pending") or None),
-                ("outbox_mark_dead of the other scope's send", await b.outbox_mark_dead(t.b, "k-pending", token=None, now=T0, error="e") or None),
+                ("outbox_mark_dead of the other scope's send",
+                 await b.outbox_mark_dead(t.b, "k-pending", token=None, now=T0, error="e") or None),
             ]
             for what, result in results:
                 assert result is None, f"SCOPE-2: {what} must find nothing; it returned {result!r}"
-            claim = await b.outbox_claim(t.b, "reminder:1", owner=OWNER_B, incarnation=INC_2, now=T0, lease_ms=LEASE_MS, recover=False)
+            claim = await b.outbox_claim(
+                t.b, "reminder:1", owner=OWNER_B, incarnation=INC_2, now=T0, lease_ms=LEASE_MS, recover=False
+            )
             assert claim is not None, "SCOPE-2: setting up: scope b's own pending send must be claimable"
-            assert await b.outbox_mark_sent(t.b, "reminder:1", token=claim[0].token, message_id="b-1", now=T0, expires_at=T0 + 5) is True
+            assert await b.outbox_mark_sent(
+                t.b, "reminder:1", token=claim[0].token, message_id="b-1", now=T0, expires_at=T0 + 5
+            ) is True
             purged = await b.outbox_purge(t.b, now=FAR, limit=100)
             assert purged == 1, f"SCOPE-2: outbox_purge purges its own scope's expired send only; it returned {purged!r}"
             a_after = {r.key: _j(r) for r in await b.outbox_list(t.a)}
@@ -1855,7 +1964,9 @@ class DurabilityConformance:
             await b.inbox_journal(t.a, inbound("m4"))
             assert await b.inbox_kill(t.a, "m4", token=1, now=T0, error="poison") is True
             await b.inbox_journal(t.a, inbound("m5", lease_ms=1_000))
-            taken = await b.inbox_claim(t.a, "m5", owner=OWNER_B, incarnation=INC_2, now=T0 + 1_000, lease_ms=LEASE_MS, recover=False)
+            taken = await b.inbox_claim(
+                t.a, "m5", owner=OWNER_B, incarnation=INC_2, now=T0 + 1_000, lease_ms=LEASE_MS, recover=False
+            )
             assert taken is not None and taken.token == 2
             await b.inbox_journal(t.a, inbound("m6"))
             assert await b.inbox_complete(t.a, "m6", token=1, now=T0, expires_at=None) is True
@@ -1887,7 +1998,9 @@ class DurabilityConformance:
                         f"due(T0+59999) = {early!r}, due(T0+60000) = {at!r}"
                     )
                     stale = await b.inbox_complete(t.a, "m5", token=1, now=T0 + 2_000, expires_at=None)
-                    assert stale is False, f"LEASE-2: a stale token is still refused after a crash; inbox_complete returned {stale!r}"
+                    assert stale is False, (
+                        f"LEASE-2: a stale token is still refused after a crash; inbox_complete returned {stale!r}"
+                    )
                     purged = await b.inbox_purge(t.a, now=T0 + 100, limit=100)
                     assert purged == 1 and await b.inbox_get(t.a, "m3") is None, (
                         f"OPS-3: the retention of a done record survives a crash: purging at its expires_at deletes it; "
@@ -1895,7 +2008,9 @@ class DurabilityConformance:
                     )
                     _, created = await b.inbox_journal(t.a, inbound("m1", text="redelivered"))
                     assert created is False, f"INB-4: dedupe survives a crash: journaling m1 again returned created={created!r}"
-                    got = await b.inbox_claim(t.a, "m5", owner=OWNER_A, incarnation=INC_1, now=T0 + 1_000 + LEASE_MS, lease_ms=LEASE_MS, recover=False)
+                    got = await b.inbox_claim(
+                        t.a, "m5", owner=OWNER_A, incarnation=INC_1, now=T0 + 1_000 + LEASE_MS, lease_ms=LEASE_MS, recover=False
+                    )
                     assert got is not None and got.token > 2, (
                         f"LEASE-2: fencing tokens keep growing across a crash: the next claim of m5 must get a token > 2; "
                         f"got {_j(got)!r}"
@@ -1906,7 +2021,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OUT-2", "OUT-14", "LEASE-2", "OPS-3", "BACK-7")
-    def test_out2_acknowledged_outbox_writes_survive_a_crash(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_out2_acknowledged_outbox_writes_survive_a_crash(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OUT-2, OUT-14, LEASE-2, OPS-3 (``survives_crash``): every outbox write
         acknowledged before the process died is there after ``harness.reopen()`` — each
         send with its state, message id and token; the due index (a send in flight is
@@ -1960,15 +2077,24 @@ class DurabilityConformance:
                     assert "k-sending" not in early, (
                         f"OUT-14: a send in flight is not due before its lease_until after a crash; due(T0+59999) = {early!r}"
                     )
-                    stolen = await b.outbox_claim(t.a, "k-sending", owner=OWNER_B, incarnation=INC_2, now=T0 + LEASE_MS - 1, lease_ms=LEASE_MS, recover=False)
+                    stolen = await b.outbox_claim(
+                        t.a, "k-sending", owner=OWNER_B, incarnation=INC_2, now=T0 + LEASE_MS - 1, lease_ms=LEASE_MS,
+                        recover=False,
+                    )
                     assert stolen is None, f"LEASE-2: an unexpired send lease survives a crash; a claim returned {stolen!r}"
-                    got = await b.outbox_claim(t.a, "k-sending", owner=OWNER_B, incarnation=INC_2, now=T0 + LEASE_MS, lease_ms=LEASE_MS, recover=False)
+                    got = await b.outbox_claim(
+                        t.a, "k-sending", owner=OWNER_B, incarnation=INC_2, now=T0 + LEASE_MS, lease_ms=LEASE_MS, recover=False
+                    )
                     assert got is not None and got[1] == "sending" and got[0].token > 1, (
                         "OUT-14: after a crash, the send in flight is claimed at its lease_until as ambiguous "
                         f"(previous state 'sending') with a larger token; got {got!r}"
                     )
-                    stale = await b.outbox_mark_sent(t.a, "k-sending", token=1, message_id="late", now=T0 + LEASE_MS, expires_at=None)
-                    assert stale is False, f"LEASE-2: the dead owner's token is refused after a crash; outbox_mark_sent returned {stale!r}"
+                    stale = await b.outbox_mark_sent(
+                        t.a, "k-sending", token=1, message_id="late", now=T0 + LEASE_MS, expires_at=None
+                    )
+                    assert stale is False, (
+                        f"LEASE-2: the dead owner's token is refused after a crash; outbox_mark_sent returned {stale!r}"
+                    )
                     purged = await b.outbox_purge(t.a, now=T0 + 100, limit=100)
                     assert purged == 1 and await b.outbox_get(t.a, "k-sent") is None, (
                         f"OPS-3: the retention of a sent record survives a crash: purging at its expires_at deletes it; "
@@ -1983,7 +2109,9 @@ class DurabilityConformance:
     # several processes on one storage (multi_process)
     # ==================================================================================
     @pytest.mark.spec("REPL-1", "REPL-4", "LEASE-2", "INB-4")
-    def test_repl4_two_processes_on_one_storage_claim_exclusively(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_repl4_two_processes_on_one_storage_claim_exclusively(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """REPL-1, REPL-4 (``multi_process``): two backends opened on the same storage
         (a second harness on the same ``workdir``, as another process would) see each
         other's records; a journal by one is a duplicate for the other (INB-4, OUT-2);
@@ -2029,7 +2157,9 @@ class DurabilityConformance:
             holder = one if winner % 2 == 0 else two
             assert await holder.inbox_complete(t.a, "m1", token=rec.token, now=T0 + LEASE_MS + 2, expires_at=None) is True
             done = await loser.inbox_get(t.a, "m1")
-            assert done is not None and done.state == "done", f"REPL-4: the completion is visible to the other process; got {_j(done)!r}"
+            assert done is not None and done.state == "done", (
+                f"REPL-4: the completion is visible to the other process; got {_j(done)!r}"
+            )
 
             outcomes = await asyncio.gather(
                 *((one if i % 2 == 0 else two).outbox_journal(t.a, outbound("k1", state="pending", seq=i)) for i in range(n))
@@ -2040,7 +2170,9 @@ class DurabilityConformance:
             )
             claim = await two.outbox_claim(t.a, "k1", owner=OWNER_B, incarnation=INC_2, now=T0, lease_ms=LEASE_MS, recover=False)
             assert claim is not None
-            assert await one.outbox_mark_sent(t.a, "k1", token=claim[0].token, message_id="wamid.X", now=T0, expires_at=None) is True
+            assert await one.outbox_mark_sent(
+                t.a, "k1", token=claim[0].token, message_id="wamid.X", now=T0, expires_at=None
+            ) is True
             sent = await two.outbox_get(t.a, "k1")
             assert sent is not None and (sent.state, sent.message_id) == ("sent", "wamid.X"), (
                 f"REPL-4: a send recorded by one process is answered from the outbox by the other; got {_j(sent)!r}"
@@ -2052,7 +2184,9 @@ class DurabilityConformance:
     # end to end, through a Bot
     # ==================================================================================
     @pytest.mark.spec("INB-1", "INB-2", "OUT-1")
-    def test_inb1_a_bot_journals_before_its_handler_and_settles_after(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_inb1_a_bot_journals_before_its_handler_and_settles_after(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """INB-1, INB-2, OUT-1 (through a Bot on the backend): while the handler runs,
         the backend already holds the inbound record, leased to the bot's instance; the
         reply is in the outbox under ``<record id>:1`` before the handler goes on; after
@@ -2064,7 +2198,8 @@ class DurabilityConformance:
 
             clock, channel = _clock(), MockProvider()
             bot = _bot(t, channel, clock, instance_id="e2e-1")
-            scope = bot.durability.scope  # type: ignore[union-attr]
+            assert bot.durability is not None
+            scope = bot.durability.scope
             seen: dict[str, Any] = {}
 
             @bot.when("hi")
@@ -2087,7 +2222,8 @@ class DurabilityConformance:
                     f"OUT-1: the reply is journaled under m1:1 and sent before the handler goes on; got {_j(out)!r}"
                 )
                 assert channel.sent and out.message_id == channel.sent[0].message_id, (
-                    f"OUT-1: the outbox stores the provider's message id {channel.sent[0].message_id if channel.sent else None!r}; "
+                    "OUT-1: the outbox stores the provider's message id "
+                    f"{channel.sent[0].message_id if channel.sent else None!r}; "
                     f"got {out.message_id!r}"
                 )
                 done = await t.backend.inbox_get(scope, "m1")
@@ -2100,7 +2236,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("INB-3", "INB-4", "OUT-2", "LEASE-4", "TEST-3")
-    def test_inb3_a_restarted_bot_reprocesses_and_answers_from_the_outbox(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_inb3_a_restarted_bot_reprocesses_and_answers_from_the_outbox(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """INB-3, OUT-2, LEASE-4, INB-4 (through Bots on the backend, TEST-3): a bot dies
         after its reply was sent and before the inbound record was acknowledged; a new
         bot with the same ``instance_id`` on the same backend reprocesses the record at
@@ -2115,7 +2253,7 @@ class DurabilityConformance:
             clock, channel = _clock(), MockProvider()
             runs: list[str] = []
 
-            def setup(bot: Any) -> None:
+            def setup(bot: Bot) -> None:
                 @bot.when("hi")
                 async def hi(ctx: Any) -> None:
                     runs.append(ctx.record_id)
@@ -2133,21 +2271,23 @@ class DurabilityConformance:
                 await first.abandon()
             assert dying.crashed and channel.texts() == ["hello"], "INB-3: setting up: the first bot must die after its reply"
             second = _bot(t, channel, clock, instance_id="e2e-1")
+            assert second.durability is not None
             setup(second)
             await second.start()
             try:
                 await clock.advance(1)  # far below the lease: recovery is immediate (LEASE-4)
-                scope = second.durability.scope  # type: ignore[union-attr]
+                scope = second.durability.scope
                 rec = await t.backend.inbox_get(scope, "m1")
                 assert runs == ["m1", "m1"] and rec is not None and rec.state == "done", (
                     "INB-3/LEASE-4: after a restart with the same instance_id the unfinished record is reprocessed at "
                     f"once and ends done; handler runs {runs!r}, record {_j(rec)!r}"
                 )
                 assert channel.texts() == ["hello"], (
-                    f"OUT-2: the reprocessed reply is answered from the outbox, not sent again; the channel got {channel.texts()!r}"
+                    "OUT-2: the reprocessed reply is answered from the outbox, not sent again; the channel got "
+                    f"{channel.texts()!r}"
                 )
                 await channel.receive("chat-1", "hi", id="m1")
-                metrics = second.durability.metrics()  # type: ignore[union-attr]
+                metrics = second.durability.metrics()
                 assert runs == ["m1", "m1"] and metrics["inbound_duplicates"] == 1, (
                     f"INB-4: a redelivery whose record exists is recognised and not processed; runs {runs!r}, "
                     f"inbound_duplicates {metrics['inbound_duplicates']}"
@@ -2158,7 +2298,9 @@ class DurabilityConformance:
         self.run_backend(botmesh_harness_factory, tmp_path, body)
 
     @pytest.mark.spec("OPS-2")
-    def test_ops2_an_operator_replays_a_dead_inbound_through_the_bot(self, botmesh_harness_factory: HarnessFactory, tmp_path: Any) -> None:
+    def test_ops2_an_operator_replays_a_dead_inbound_through_the_bot(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
         """OPS-2 (through a Bot on the backend): an inbound record in the DLQ is listed
         by ``bot.durability.inbox.list(state="dead")``; ``replay_inbound(id)`` runs
         its handler again from the journaled event; the record ends ``done`` and leaves
@@ -2212,7 +2354,7 @@ def _clock() -> Any:
     return VirtualClock(T0)
 
 
-def _bot(t: DurabilityTest, channel: Any, clock: Any, *, instance_id: str, backend: DurabilityBackend | None = None) -> Any:
+def _bot(t: DurabilityTest, channel: Any, clock: Any, *, instance_id: str, backend: DurabilityBackend | None = None) -> Bot:
     """A bot on the test's backend (or a wrapper of it) and store, in a scope of its own
     (its bot id carries the test's random tag)."""
     from botmesh.core import Bot

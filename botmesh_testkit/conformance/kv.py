@@ -1393,7 +1393,7 @@ class DurableKvConformance:
             survives_crash=self.claims_survives_crash(kv_factory),
             timeout=self.timeout_seconds,
         )
-        run_state_machine_as_test(  # type: ignore[no-untyped-call]  # untyped in Hypothesis
+        run_state_machine_as_test(
             machine,
             settings=settings(
                 max_examples=self.stateful_max_examples,

@@ -1,13 +1,15 @@
 """GUAR-1: the process dies before journaling the inbound event — nothing recorded;
 processed if the channel redelivers it."""
 
+from botmesh.core.bot import Context
+
 from botmesh_testkit.scenario import Scenario, scenario
 
 
 @scenario("GUAR-1", "INB-1", "INB-8")
 async def dies_before_journaling(s: Scenario) -> None:
     @s.on_message
-    async def echo(ctx):
+    async def echo(ctx: Context) -> None:
         await ctx.reply(f"echo {ctx.text}")
 
     await s.start(crash_before="inbox.journal")

@@ -2,12 +2,14 @@
 handler — reprocessed; sends already made are answered from the outbox, missing ones
 are sent."""
 
+from botmesh.core.bot import Context
+
 from botmesh_testkit.scenario import Scenario, scenario
 
 
 def two_replies(s: Scenario) -> None:
     @s.on_message
-    async def handler(ctx):
+    async def handler(ctx: Context) -> None:
         await ctx.reply(f"one:{ctx.text}")
         await ctx.reply(f"two:{ctx.text}")
 

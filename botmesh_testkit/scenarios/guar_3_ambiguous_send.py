@@ -3,13 +3,15 @@ ambiguous (OUT-14): ``skip`` never duplicates and marks the send ``unknown``;
 ``resend`` never loses; both emit ``durability:ambiguous`` and count
 ``outbox_ambiguous``."""
 
+from botmesh.core.bot import Context
+
 from botmesh_testkit.scenario import Scenario, scenario
 
 
 @scenario("GUAR-3", "OUT-14", "OPS-1", policies=["skip", "resend"])
 async def dies_after_the_channel_accepted(s: Scenario) -> None:
     @s.on_message
-    async def handler(ctx):
+    async def handler(ctx: Context) -> None:
         await ctx.reply(f"one:{ctx.text}")
         await ctx.reply(f"two:{ctx.text}")
 

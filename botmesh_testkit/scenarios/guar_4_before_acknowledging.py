@@ -1,15 +1,17 @@
 """GUAR-4: the process dies after recording the send, before acknowledging the inbound
 — reprocessed; every reply answered from the outbox."""
 
+from botmesh.core.bot import Context
+
 from botmesh_testkit.scenario import Scenario, scenario
 
 
 @scenario("GUAR-4", "OUT-2", "INB-9")
 async def dies_before_completing_the_inbound(s: Scenario) -> None:
-    runs = []
+    runs: list[str | None] = []
 
     @s.on_message
-    async def handler(ctx):
+    async def handler(ctx: Context) -> None:
         runs.append(ctx.record_id)
         await ctx.reply("one")
         await ctx.reply("two")

@@ -2,13 +2,16 @@
 resumes from its checkpoint; the pending question is not repeated; the next message is
 taken as its answer."""
 
+from typing import Any
+
+from botmesh.core.bot import Context
 from botmesh.core.flows import Flow
 
 from botmesh_testkit.scenario import Scenario, scenario
 
 
 def order_flow(s: Scenario) -> None:
-    async def confirm(ctx, state):
+    async def confirm(ctx: Context, state: dict[str, Any]) -> None:
         await ctx.reply(f"ordered {state['qty']} for {state['name']}")
 
     s.when("order", Flow("order").ask("name?", save_as="name").ask("how many?", save_as="qty")

@@ -2,22 +2,24 @@
 ``inbox.max_attempts`` charged executions, then the DLQ (INB-7); the next start runs
 normally."""
 
+from botmesh.core.bot import Bot, Context
+
 from botmesh_testkit.scenario import Scenario, scenario
 
 
 @scenario("GUAR-7", "INB-7", "OPS-1")
 async def a_poison_message_ends_in_the_dlq(s: Scenario) -> None:
-    executions = []
+    executions: list[str | None] = []
 
     @s.setup
-    def handlers(bot):
+    def handlers(bot: Bot) -> None:
         @bot.when("poison")
-        async def poison(ctx):
+        async def poison(ctx: Context) -> None:
             executions.append(ctx.record_id)
             raise s.die()
 
         @bot.when("ok")
-        async def ok(ctx):
+        async def ok(ctx: Context) -> None:
             await ctx.reply("fine")
 
     s.configure(inbox={"max_attempts": 3})

@@ -13,7 +13,7 @@ import random
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from .clock import Clock, RealClock
 from .config import parse_durability
@@ -28,6 +28,7 @@ from .store import MemoryStore, Store
 log = logging.getLogger("botmesh")
 
 Handler = Callable[["Context"], Awaitable[Any]]
+_HandlerT = TypeVar("_HandlerT", bound="Handler | Flow")
 Pattern = str | re.Pattern[str] | Callable[[InboundEvent], bool]
 _UNSET: Any = object()
 _EVENTS = ("error", "durability:dead", "durability:ambiguous")
@@ -140,23 +141,36 @@ class Bot:
         self.running = False
 
     # -- registration -------------------------------------------------------------------
-    def when(self, pattern: Pattern, handler: Handler | Flow | None = None) -> Any:
+    @overload
+    def when(self, pattern: Pattern, handler: None = None) -> Callable[[_HandlerT], _HandlerT]: ...
+    @overload
+    def when(self, pattern: Pattern, handler: _HandlerT) -> _HandlerT: ...
+
+    def when(
+        self, pattern: Pattern, handler: _HandlerT | None = None
+    ) -> _HandlerT | Callable[[_HandlerT], _HandlerT]:
         """Route events matching ``pattern`` (a text compared case-insensitively, a
         compiled regex searched in the text, or a predicate on the event) to ``handler``
         — an ``async def handler(ctx)`` or a :class:`Flow` to start. Usable as a
-        decorator."""
+        decorator; returns the handler."""
 
-        def register(fn: Handler | Flow) -> Handler | Flow:
+        def register(fn: _HandlerT) -> _HandlerT:
             self._register_flow(fn)
             self._handlers.append((pattern, fn))
             return fn
 
         return register if handler is None else register(handler)
 
-    def otherwise(self, handler: Handler | Flow | None = None) -> Any:
-        """The catch-all handler for events no pattern matched."""
+    @overload
+    def otherwise(self, handler: None = None) -> Callable[[_HandlerT], _HandlerT]: ...
+    @overload
+    def otherwise(self, handler: _HandlerT) -> _HandlerT: ...
 
-        def register(fn: Handler | Flow) -> Handler | Flow:
+    def otherwise(self, handler: _HandlerT | None = None) -> _HandlerT | Callable[[_HandlerT], _HandlerT]:
+        """The catch-all handler for events no pattern matched. Usable as a decorator;
+        returns the handler."""
+
+        def register(fn: _HandlerT) -> _HandlerT:
             self._register_flow(fn)
             self._fallback = fn
             return fn

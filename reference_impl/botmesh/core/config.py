@@ -50,7 +50,7 @@ class Backoff:
     def delay(self, attempt: int, rand: float) -> float:
         """Delay before the attempt after failed attempt number ``attempt`` (1-based);
         ``rand`` in [0, 1) spreads it."""
-        raw = min(self.cap_ms, self.base_ms * (2 ** max(0, attempt - 1)))
+        raw = min(self.cap_ms, self.base_ms * (2.0 ** max(0, attempt - 1)))
         return max(0.0, raw * (1.0 + self.jitter * (2.0 * rand - 1.0)))
 
 
@@ -127,7 +127,9 @@ def _backoff(value: Any, option: str, default: Backoff) -> Backoff:
     cap = parse_duration(raw.get("cap_ms", default.cap_ms), f"{option}.cap_ms")
     jitter = raw.get("jitter", default.jitter)
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter <= 1:
-        raise ConfigError(f"{option}.jitter: expected a number in [0, 1], got {jitter!r}", option=f"{option}.jitter", value=jitter)
+        raise ConfigError(
+            f"{option}.jitter: expected a number in [0, 1], got {jitter!r}", option=f"{option}.jitter", value=jitter
+        )
     if cap < base:
         raise ConfigError(f"{option}.cap_ms ({cap} ms) is below base_ms ({base} ms)", option=f"{option}.cap_ms", value=cap)
     return Backoff(base, cap, float(jitter))
@@ -155,7 +157,10 @@ def parse_durability(value: Any) -> DurabilityConfig:
         )
     instance_id = raw.get("instance_id")
     if instance_id is not None and (not isinstance(instance_id, str) or not instance_id.strip()):
-        raise ConfigError(f"durability.instance_id: expected a non-empty string, got {instance_id!r}", option="durability.instance_id", value=instance_id)
+        raise ConfigError(
+            f"durability.instance_id: expected a non-empty string, got {instance_id!r}",
+            option="durability.instance_id", value=instance_id,
+        )
 
     ib = _mapping(raw.get("inbox"), "durability.inbox", {"lease_ms", "max_attempts", "backoff", "media_refs"})
     inbox = InboxConfig(
@@ -165,7 +170,10 @@ def parse_durability(value: Any) -> DurabilityConfig:
         media_refs=_bool(ib.get("media_refs", True), "durability.inbox.media_refs"),
     )
     if inbox.lease_ms < 20:
-        raise ConfigError(f"durability.inbox.lease_ms: at least 20 ms, got {inbox.lease_ms} ms", option="durability.inbox.lease_ms", value=ib.get("lease_ms"))
+        raise ConfigError(
+            f"durability.inbox.lease_ms: at least 20 ms, got {inbox.lease_ms} ms",
+            option="durability.inbox.lease_ms", value=ib.get("lease_ms"),
+        )
 
     ob = _mapping(
         raw.get("outbox"),

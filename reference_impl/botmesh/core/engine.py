@@ -326,7 +326,7 @@ class DurabilityRuntime:
         finally:
             self._local_inbound.discard(record.id)
 
-    async def _inbox_failed(self, record: InboxRecord, exc: Exception) -> None:
+    async def _inbox_failed(self, record: InboxRecord, exc: BaseException) -> None:
         now = self._now()
         if record.attempts >= self.config.inbox.max_attempts:
             if await self.backend.inbox_kill(self.scope, record.id, token=record.token, now=now, error=repr(exc)):
@@ -335,7 +335,10 @@ class DurabilityRuntime:
                 self._count("stale_leases")
             return
         delay = self.config.inbox.backoff.delay(record.attempts, self.bot.rng.random())
-        if not await self.backend.inbox_retry_later(self.scope, record.id, token=record.token, next_at=now + delay, error=repr(exc)):
+        retried = await self.backend.inbox_retry_later(
+            self.scope, record.id, token=record.token, next_at=now + delay, error=repr(exc)
+        )
+        if not retried:
             self._count("stale_leases")
 
     async def _dead(self, kind: str, id: str, error: BaseException | str) -> None:
@@ -626,7 +629,8 @@ class DurabilityRuntime:
                 rec = nxt
                 continue
             if isinstance(outcome, _Dead):
-                raise SendFailedError(rec.key, repr(outcome.error), outcome.error if isinstance(outcome.error, BaseException) else None)
+                cause = outcome.error if isinstance(outcome.error, BaseException) else None
+                raise SendFailedError(rec.key, repr(outcome.error), cause)
             if self._now() + outcome.delay - started > self.config.outbox.inline_max_ms:
                 self._count("outbox_deferred")
                 raise SendDeferredError(rec.key, outcome.error)

@@ -35,18 +35,15 @@ import asyncio
 import copy
 import json
 from abc import ABC, abstractmethod
-from typing import Any
-
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, VersionConflict
-from typing import TypeVar
-
 from .records import InboxRecord, OutboxRecord
+from .spi_types import INDEXES, Capabilities, IndexName, Versioned
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
-from .spi_types import INDEXES, Capabilities, IndexName, Versioned
 
 __all__ = [
     "INDEXES",
@@ -302,7 +299,9 @@ class KvDurability(DurabilityBackend):
                 return
             raise
 
-    async def _create(self, scope: str, space: str, key: str, value: dict[str, Any], due: float | None, expires: float | None) -> bool:
+    async def _create(
+        self, scope: str, space: str, key: str, value: dict[str, Any], due: float | None, expires: float | None
+    ) -> bool:
         try:
             await self._put(scope, space, key, value, 0, due, expires)
             return True

@@ -135,8 +135,8 @@ class MockProvider(Provider):
             raise ProviderError(f"media host {host!r} is not allowed", retryable=False)
         return {"url": url}
 
-    serialize_media_ref = _serialize  # type: ignore[assignment]
-    rehydrate_media_ref = _rehydrate  # type: ignore[assignment]
+    serialize_media_ref = _serialize
+    rehydrate_media_ref = _rehydrate
 
     async def download_media(self, ref: Any) -> bytes:
         url = ref.get("url") if isinstance(ref, dict) else None

@@ -111,7 +111,7 @@ import logging
 import math
 import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -134,10 +134,10 @@ __all__ = [
     "scope_keys",
 ]
 
-RedisClient = Union[Redis, RedisCluster]
+RedisClient = Redis | RedisCluster
 """What ``client=`` accepts: an asyncio ``Redis`` or ``RedisCluster`` client."""
 
-ClusterSpec = Union[str, Sequence[Union[str, tuple[str, int]]]]
+ClusterSpec = str | Sequence[str | tuple[str, int]]
 """What ``cluster=`` accepts: a ``redis://host:port`` URL of one node, or a list of
 startup nodes as ``"host:port"`` strings or ``(host, port)`` tuples."""
 
@@ -578,7 +578,7 @@ class RedisKv(DurableKv):
         """The record at ``(scope, space, key)`` with its version, or ``None`` (one
         ``HGET``)."""
         keys = self.keys_of(scope, space)
-        raw = await self._call("get", lambda c, _: c.hget(keys["records"], _b(key)))  # type: ignore[arg-type,return-value]
+        raw = await self._call("get", lambda c, _: c.hget(keys["records"], _b(key)))
         return None if raw is None else _decode_record(raw, keys["records"], key)
 
     async def put(
@@ -630,15 +630,15 @@ class RedisKv(DurableKv):
         upper = float(upto)
         if math.isnan(upper):
             raise ValueError("upto must be a number, not NaN")
-        top = b"+inf" if upper == math.inf else (b"-inf" if upper == -math.inf else repr(upper).encode("ascii"))
+        top = "+inf" if upper == math.inf else ("-inf" if upper == -math.inf else repr(upper))
         exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
         rows = await self._call(
             "range",
-            lambda c, _: c.zrangebyscore(  # type: ignore[arg-type,return-value]
-                name, b"-inf", top, start=0 if exact else None, num=limit if exact else None, withscores=True
+            lambda c, _: c.zrangebyscore(
+                name, "-inf", top, start=0 if exact else None, num=limit if exact else None, withscores=True
             ),
         )
-        result = [(float(score), _s(member)) for member, score in rows]
+        result = [(float(score), _s(member)) for member, score in cast(list[tuple[bytes, float]], rows)]
         return result if exact else result[:limit]
 
     async def scan(
