@@ -73,8 +73,11 @@ class DurableKv(ABC):
       :class:`~botmesh.core.errors.BackendUnavailableError` (never the driver's type). A
       write that raised ``BackendUnavailableError`` may or may not have been applied; the
       caller re-reads by key (that is why all writes are CAS: replaying one is harmless).
-    * Calls before :meth:`open` or after :meth:`close` raise
-      ``BackendUnavailableError``.
+    * Calls after :meth:`close` raise ``BackendUnavailableError`` (until :meth:`open`
+      again). Before the first :meth:`open` a kv may either raise it or open lazily
+      (``MemoryKv`` and ``SQLiteKv`` open lazily, ``PostgresKv`` raises); callers open
+      first — :class:`KvDurability` does at ``start()`` — so nothing depends on which.
+      The conformance suite checks the part after ``close()``.
     """
 
     capabilities: Capabilities = Capabilities()

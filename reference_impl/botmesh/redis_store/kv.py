@@ -538,7 +538,8 @@ class RedisKv(DurableKv):
 
     def _live_client(self) -> RedisClient:
         if self._state == _CLOSED or self._client is None:
-            raise BackendUnavailableError(f"RedisKv (prefix {self._prefix!r}) is closed", prefix=self._prefix)
+            state = "not open yet (call open() first)" if self._state == _NEW else "closed"
+            raise BackendUnavailableError(f"RedisKv (prefix {self._prefix!r}) is {state}", prefix=self._prefix)
         return self._client
 
     async def _initialize_cluster(self, client: RedisCluster) -> None:
