@@ -43,7 +43,8 @@ import os
 import random
 import shlex
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -575,6 +576,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         ids = sorted({i for v in item.outcome.violations for i in v.ids})
         report.user_properties.append(("botmesh_violated", tuple(ids)))
     return report
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: Sequence[pytest.Item]) -> str | None:
+    """The plugin's items are added after pytest counted what it collected, so its
+    "collected N items" line leaves them out; this line gives the real totals."""
+    parts: Counter[str] = Counter(_part_of(item.nodeid) for item in items)
+    ours = sum(n for part, n in parts.items() if part != "tests")
+    if not ours:
+        return None
+    order = ["suite", "scenarios", "matrix", "kills", "services", "tests"]
+    detail = ", ".join(f"{part} {parts[part]}" for part in order if parts[part])
+    return f"botmesh: {len(items)} items in all ({detail})"
 
 
 def _part_of(nodeid: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -40,6 +42,16 @@ def test_matrix_runs_as_items_with_a_summary(pytester: pytest.Pytester) -> None:
                                  "memory: suite * passed, 0 failed, 4 skipped; scenarios 10 passed, 0 failed; "
                                  "matrix * passed, 0 failed",
                                  "*held (*): *GUAR-3, GUAR-4*"])
+    # the header's totals count the plugin's items (pytest's own "collected N" does not)
+    header = re.search(r"^botmesh: (\d+) items in all \(suite (\d+), scenarios (\d+), matrix (\d+)\)$",
+                       result.stdout.str(), re.M)
+    summary = re.search(r"^memory: suite (\d+) passed, 0 failed, (\d+) skipped; scenarios (\d+) passed, 0 failed; "
+                        r"matrix (\d+) passed", result.stdout.str(), re.M)
+    assert header and summary, result.stdout.str()[-3000:]
+    total, suite, scenarios, matrix = (int(g) for g in header.groups())
+    assert suite == int(summary.group(1)) + int(summary.group(2))
+    assert (scenarios, matrix) == (int(summary.group(3)), int(summary.group(4)))
+    assert total == suite + scenarios + matrix == sum(result.parseoutcomes().values())
 
 
 @pytest.mark.spec("TEST-4", "OUT-2", "BACK-7")
