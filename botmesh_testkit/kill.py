@@ -1702,9 +1702,14 @@ class KillLoop:
         node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         kw = ", ".join(f"{k}={v!r}" for k, v in self._kw.items())
         call = f"KillLoop({_spec_repr(self.spec)}, {_callable_repr(self.handler)}, {kw})"
-        if isinstance(self.handler, replies) and self.setup is None and self.spec[0] in ("file", "sqlite"):
+        if isinstance(self.handler, replies) and self.setup is None and self.spec[0] in ("file", "sqlite", "postgres", "redis"):
             backend = spec_name(self.spec)
-            cli = (f"python -m botmesh_testkit.kill --backend {backend} --messages {self._kw['messages']} "
+            server = ""
+            if self.spec[0] in ("postgres", "redis"):
+                from .services import redact_url
+
+                server = f" --{self.spec[0]}-url {shlex.quote(redact_url(str(self.spec[1])))}"
+            cli = (f"python -m botmesh_testkit.kill --backend {backend}{server} --messages {self._kw['messages']} "
                    f"--kills {self.kills} --seed {self.seed} --policy {self.policy} --replies {self.handler.n}")
             return cli + (f"  (or pytest {shlex.quote(node)})" if node else "")
         return (f"pytest {shlex.quote(node)}  # " if node else "") + call
@@ -2106,9 +2111,21 @@ class Replicas:
 # Command line: python -m botmesh_testkit.kill
 # =========================================================================================
 def main(argv: list[str] | None = None) -> int:
+    """``python -m botmesh_testkit.kill``: one kill loop on a file, SQLite, PostgreSQL or
+    Redis backend, its report printed; exit status 0 when the run passed.
+
+    PostgreSQL and Redis need a server URL (``--postgres-url`` / ``--redis-url``, else
+    ``$BOTMESH_POSTGRES_URL`` / ``$BOTMESH_REDIS_URL``); the run uses a table prefix
+    (PostgreSQL) or key prefix (Redis) of its own, derived from the work directory, and
+    drops it at the end — unless the run failed or ``--keep`` is given, so that what the
+    children journaled can be inspected (the prefix is printed)."""
     p = argparse.ArgumentParser(prog="python -m botmesh_testkit.kill",
                                 description="Kill a bot with SIGKILL in a loop and judge what the channel saw.")
-    p.add_argument("--backend", default="sqlite", choices=["file", "file+log", "sqlite"])
+    p.add_argument("--backend", default="sqlite", choices=["file", "file+log", "sqlite", "postgres", "redis"])
+    p.add_argument("--postgres-url", default=None, metavar="URL",
+                   help="server of --backend=postgres (default $BOTMESH_POSTGRES_URL)")
+    p.add_argument("--redis-url", default=None, metavar="URL", help="server of --backend=redis (default $BOTMESH_REDIS_URL)")
+    p.add_argument("--keep", action="store_true", help="keep the PostgreSQL table / Redis keys even when the run passed")
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--messages", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -2118,9 +2135,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-method", default="forkserver", choices=["forkserver", "spawn"])
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    server_url: str | None = None
+    if args.backend in ("postgres", "redis"):
+        option, env = f"--{args.backend}-url", f"BOTMESH_{args.backend.upper()}_URL"
+        server_url = getattr(args, f"{args.backend}_url") or os.environ.get(env)
+        if not server_url:
+            p.error(f"--backend={args.backend} needs a server: give {option}=URL or set ${env}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="botmesh-kill-")
+    spec: BackendSpec
+    drop: Callable[[], Coroutine[Any, Any, Any]] | None = None
+    where = ""
     if args.backend == "sqlite":
-        spec: BackendSpec = ("sqlite", os.path.join(workdir, "bot.db"))
+        spec = ("sqlite", os.path.join(workdir, "bot.db"))
+    elif args.backend == "postgres":
+        from .harness_postgres import PostgresHarness
+
+        pg = PostgresHarness(workdir, url=cast(str, server_url))
+        spec, drop = ("postgres", pg.url, pg.table_prefix), pg.drop_table
+        where = f"table {pg.table_prefix}durable"
+    elif args.backend == "redis":
+        from .harness_redis import RedisHarness
+
+        rh = RedisHarness(workdir, url=cast(str, server_url))
+        spec, drop = ("redis", rh.url, rh.prefix), rh.delete_keys
+        where = f"keys of prefix {rh.prefix!r}"
     else:
         spec = ("file", os.path.join(workdir, "journal.json"), args.backend == "file+log")
     loop = KillLoop(spec, replies(args.replies), messages=args.messages, kills=args.kills, seed=args.seed,
@@ -2128,8 +2166,14 @@ def main(argv: list[str] | None = None) -> int:
                     progress=print if args.verbose else None)
     result = loop.run()
     print(result.report())
-    return 0 if result.passed else 1
+    if drop is not None:
+        if result.passed and not args.keep:
+            asyncio.run(drop())
+        else:
+            from .services import redact_url
 
+            print(f"kept for inspection: {where} on {redact_url(cast(str, server_url))}")
+    return 0 if result.passed else 1
 
 if __name__ == "__main__":
     # Run the imported module's main(), so that what is pickled into the children names

@@ -600,6 +600,47 @@ def test_command_line_reproduces_a_builtin_loop(tmp_path: Any, capsys: pytest.Ca
                                        "--seed 4 --policy resend --replies 3")
 
 
+@pytest.mark.slow
+@spec("TEST-4", "GUAR-3", "OUT-14", "BACK-2", "BACK-3")
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+def test_command_line_on_a_server_drops_its_prefix(backend: str, request: pytest.FixtureRequest, tmp_path: Any,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m botmesh_testkit.kill --backend postgres|redis --X-url URL`` runs a kill
+    loop on that server under a prefix of its own (from the work directory) and drops it
+    when the run passed; without a URL it is a usage error naming the option and the
+    environment variable."""
+    from botmesh_testkit.harness_postgres import table_prefix_for
+    from botmesh_testkit.harness_redis import prefix_for
+
+    if backend == "postgres":
+        url = request.getfixturevalue("kill_pg_url")
+    else:
+        url = request.getfixturevalue("kill_redis").url
+    args = ["--backend", backend, f"--{backend}-url", url, "--kills", "3", "--messages", "6", "--seed", "5",
+            "--policy", "resend", "--workdir", str(tmp_path)]
+    assert kill.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"kill loop on {backend}, on_ambiguous=resend, seed 5: passed" in out, out
+    assert "kills: 3 (" in out and "losses: 0" in out, out
+    if backend == "postgres":
+        import psycopg
+
+        table = f"{table_prefix_for(str(tmp_path))}durable"
+        with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+            row = conn.execute("SELECT to_regclass(%s) IS NULL", (table,)).fetchone()
+        assert row is not None and row[0], f"table {table} left behind"
+    else:
+        assert _redis_keys(url, prefix_for(str(tmp_path))) == 0, "keys left behind"
+    loop = KillLoop((backend, url, "p_"), replies(2), kills=4, messages=5, seed=6)
+    assert loop.reproduce().startswith(f"python -m botmesh_testkit.kill --backend {backend} --{backend}-url ")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(f"BOTMESH_{backend.upper()}_URL", raising=False)
+        with pytest.raises(SystemExit):
+            kill.main(["--backend", backend])
+    err = capsys.readouterr().err
+    assert f"--{backend}-url=URL" in err and f"$BOTMESH_{backend.upper()}_URL" in err, err
+
+
 # -- the fixture and the marker, as a user writes them ------------------------------------------
 USER_TEST = '''
 import pytest
