@@ -661,12 +661,8 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
             markers.mark("after", "handler", ctx.record_id)
 
         bot.otherwise(handle)
-    journal_failed: set[str] = set()
-
     def listener(name: str) -> Callable[[dict[str, Any]], None]:
         def on(payload: dict[str, Any]) -> None:
-            if name == "error" and payload.get("stage") == "inbox.journal":
-                journal_failed.add(str(payload.get("id")))
             markers.send(("ev", name, _jsonable(payload), time.monotonic()))
 
         return on
@@ -698,13 +694,12 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
             id, chat, text = await queue.get()
             busy += 1
             try:
-                journal_failed.discard(id)
                 try:
-                    await provider.deliver(InboundEvent(id=id, chat_id=chat, text=text))
+                    taken = await provider.deliver(InboundEvent(id=id, chat_id=chat, text=text))
                 except Exception as exc:
                     markers.send(("nack", id, repr(exc)))
                     continue
-                if id in journal_failed:
+                if not taken:  # the journal write failed (INB-8): the channel redelivers
                     markers.send(("nack", id, "inbox.journal failed"))
                 else:
                     markers.send(("ack", id, time.monotonic()))

@@ -350,11 +350,21 @@ async def test_fail_closed_and_fail_open(harness: BackendHarness, fail_open: boo
     world = World(harness, setup=two_replies, durability={"fail_open": fail_open})
     bot = await world.start()
     breaker = _FailingJournal(bot.durability.backend)
-    await world.receive("c1", "hi", id="m1")
+    event = world.channel.event("c1", "hi", id="m1")
+
+    async def deliver() -> bool:  # what a channel adapter calls; its answer decides the ack
+        assert world.bot is not None
+        taken: bool = await world.drive(world.bot.provider.deliver(event))
+        return taken
+
+    taken = await deliver()
     assert len(world.named("error")) == 1
     assert world.channel.texts() == (["one:hi", "two:hi"] if fail_open else [])
+    # deliver() tells the channel adapter whether to acknowledge: fail closed -> not taken
+    assert taken is fail_open
     breaker.broken = False
-    await world.receive("c1", "hi", id="m1")
+    assert await deliver() is True  # taken now (processed, or a known id)
+    assert await deliver() is True  # a redelivery of a taken event is taken
     if not fail_open:
         assert world.channel.texts() == ["one:hi", "two:hi"]
     await world.close()

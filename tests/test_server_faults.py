@@ -9,9 +9,9 @@ Every test uses private servers of its module (:class:`PrivatePostgres`,
 
 The channel side is played by :class:`Channel`: it feeds inbound messages to the bot
 through :class:`~botmesh.core.testing.MockProvider` and counts a message as
-*acknowledged* only when ``provider.receive`` returned without the bot reporting that it
-could not journal it (``error`` event with ``stage="inbox.journal"``, INB-8) — the
-webhook would have answered with an error otherwise, and the channel redelivers every
+*acknowledged* only when ``provider.deliver`` returned True — False when the bot could not
+journal it (checked against its ``error`` event with ``stage="inbox.journal"``, INB-8),
+where a webhook answers with an error status — and the channel redelivers every
 message it has no acknowledgement for, until all are acknowledged.
 
 What every run checks (``_verify``), after draining (every inbound record ``done``, every
@@ -294,11 +294,14 @@ class Channel:
         self.journal_failed.discard(id)
         self.fed += 1
         try:
-            await self.provider.receive(chat, text, id=id)
-            ok = id not in self.journal_failed
+            ok = await self.provider.deliver(self.provider.event(chat, text, id=id))
         except Exception:  # noqa: BLE001 - the webhook failed: the channel redelivers
             self.receive_raised += 1
             ok = False
+        else:
+            # deliver()'s answer is what a webhook acknowledges on; it must agree with the
+            # error event the bot reports for a journal write that failed (INB-8)
+            assert ok == (id not in self.journal_failed), f"{id}: deliver() said {ok}, errors {self.journal_failed}"
         if ok:
             self.acked.add(id)
             self.unacked.pop(id, None)

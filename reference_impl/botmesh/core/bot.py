@@ -285,19 +285,20 @@ class Bot:
     def _forget_seen(self, event_id: str) -> None:
         self._seen.pop(event_id, None)
 
-    async def _receive(self, event: InboundEvent) -> None:
-        """The provider's entry point for an inbound event."""
+    async def _receive(self, event: InboundEvent) -> bool:
+        """The provider's entry point for an inbound event; False when the event was
+        not taken (its journal write failed, INB-8) and must be redelivered."""
         if event.id in self._seen:  # in-memory dedupe of redeliveries
             if self.durability is not None:
                 self.durability._count("inbound_duplicates")
-            return
+            return True
         self._seen[event.id] = None
         if len(self._seen) > self._seen_max:
             self._seen.popitem(last=False)
         if self.durability is not None:
-            await self.durability.admit(event)
-        else:
-            await self._dispatch(event, None)
+            return await self.durability.admit(event)
+        await self._dispatch(event, None)
+        return True
 
     async def _dispatch(self, event: InboundEvent, record: InboxRecord | None) -> None:
         """The plain path: prepare and run handlers; errors go to ``on("error")``."""

@@ -268,8 +268,10 @@ class DurabilityRuntime:
             "media": journal_media(self.bot.provider, event.media, self.config.inbox.media_refs),
         }
 
-    async def admit(self, event: InboundEvent) -> None:
-        """Journal an inbound event before any handler runs (INB-1), then process it."""
+    async def admit(self, event: InboundEvent) -> bool:
+        """Journal an inbound event before any handler runs (INB-1), then process it.
+        False when the journal could not record it and it was not dispatched (INB-8, fail
+        closed): the channel must redeliver it. True otherwise."""
         with self.clock.busy():
             now = self._now()
             lease = self.config.inbox.lease_ms
@@ -285,12 +287,14 @@ class DurabilityRuntime:
                 await self.bot._emit("error", {"error": exc, "stage": "inbox.journal", "id": event.id})
                 if self.config.fail_open:
                     await self.bot._dispatch(event, None)
-                return
+                    return True
+                return False
             if not created:  # INB-4
                 self._count("inbound_duplicates")
-                return
+                return True
             self._count("inbound_journaled")
             await self._execute(stored, event)
+            return True
 
     async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:
         """Run the handlers for a leased record and settle it (INB-2, INB-5, INB-6)."""

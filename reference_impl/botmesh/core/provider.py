@@ -100,24 +100,30 @@ object a provider understands; bytes values are allowed (journaled as base64, OU
 
 class Provider(ABC):
     """A channel. The bot calls ``attach`` with its inbound entry point; the provider
-    calls it for each event it receives and awaits it (a webhook answers only when the
-    event was journaled)."""
+    calls it for each event it receives (:meth:`deliver`) and awaits it: a webhook
+    answers only when the event was journaled, and answers with an error status when
+    :meth:`deliver` returns False, so that the channel redelivers (INB-8)."""
 
     name: str = "provider"
     text_limit: int | None = None
     """Longest text the channel accepts in one message (OUT-12); None: no limit."""
 
     def __init__(self) -> None:
-        self._inbound: Callable[[InboundEvent], Awaitable[None]] | None = None
+        self._inbound: Callable[[InboundEvent], Awaitable[bool | None]] | None = None
 
-    def attach(self, inbound: Callable[[InboundEvent], Awaitable[None]]) -> None:
+    def attach(self, inbound: Callable[[InboundEvent], Awaitable[bool | None]]) -> None:
         self._inbound = inbound
 
-    async def deliver(self, event: InboundEvent) -> None:
-        """Hand an inbound event to the attached bot."""
+    async def deliver(self, event: InboundEvent) -> bool:
+        """Hand an inbound event to the attached bot. True when the bot took it:
+        journaled and processed, recognised as a redelivery (INB-4), or dispatched without
+        a journal (no durability, or ``fail_open``). False when the journal could not
+        record it and it was not dispatched (INB-8, fail closed): acknowledge nothing to
+        the channel then — answer the webhook with an error status — so that it
+        redelivers; the bot has forgotten the event, so the redelivery is processed."""
         if self._inbound is None:
             raise BotmeshError("provider is not attached to a running bot")
-        await self._inbound(event)
+        return (await self._inbound(event)) is not False
 
     async def start(self) -> None:
         """Connect the transport."""

@@ -68,6 +68,10 @@ class MockProvider(Provider):
         self._events = itertools.count(1)
         self.media_hosts: tuple[str, ...] = _MEDIA_HOSTS
         self.media_bytes: dict[str, bytes] = {}
+        self.refused: list[str] = []
+        """Ids of the events :meth:`receive` delivered that the bot did not take
+        (:meth:`Provider.deliver` returned False: the journal write failed, INB-8) — a
+        real webhook would have answered with an error status."""
 
     def fail_next(self, error: BaseException, times: int = 1) -> None:
         self._failures.extend([error] * times)
@@ -113,7 +117,8 @@ class MockProvider(Provider):
     async def receive(self, chat_id: str, text: str = "", *, id: str | None = None, kind: str = "message",
                       media: Any = None, user_id: str | None = None) -> InboundEvent:
         event = self.event(chat_id, text, id=id, kind=kind, media=media, user_id=user_id)
-        await self.deliver(event)
+        if not await self.deliver(event):
+            self.refused.append(event.id)
         return event
 
     # -- media (MEDIA-1, MEDIA-2, MEDIA-4) ------------------------------------------------
