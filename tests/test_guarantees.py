@@ -370,6 +370,28 @@ async def test_fail_closed_and_fail_open(harness: BackendHarness, fail_open: boo
     await world.close()
 
 
+@spec("INB-8")
+async def test_mock_provider_records_the_events_the_bot_refused(harness: BackendHarness) -> None:
+    """``MockProvider.receive`` keeps the ids ``deliver`` refused (the journal write
+    failed): what a webhook would have answered with an error; the redelivery is taken."""
+    from botmesh.core import VirtualClock
+    from botmesh.core.testing import MockProvider
+
+    backend, store = await harness.open()
+    channel = MockProvider()
+    bot = Bot(channel, store, {"backend": backend, "instance_id": "i1"}, clock=VirtualClock())
+    bot.when("hi", lambda ctx: ctx.reply("hello"))
+    await bot.start()
+    breaker = _FailingJournal(backend)
+    await channel.receive("c1", "hi", id="m1")
+    assert channel.refused == ["m1"] and channel.texts() == []
+    breaker.broken = False
+    await channel.receive("c1", "hi", id="m1")
+    await channel.receive("c1", "hi", id="m1")  # a redelivery of a taken event: taken, not processed again
+    assert channel.refused == ["m1"] and channel.texts() == ["hello"]
+    await bot.stop()
+
+
 @spec("INB-5", "RETRY-1", "OPS-1")
 async def test_failure_before_handlers_is_retried_with_backoff_then_dead(harness: BackendHarness) -> None:
     """The store is down before the handlers: retried with inbox.backoff, to the DLQ after
