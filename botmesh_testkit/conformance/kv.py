@@ -24,7 +24,8 @@ and in ``@pytest.mark.spec``):
 * values round-trip exactly and are copies; keys up to 512 characters;
 * both ordered indexes (``"due"``, ``"expires"``): ascending ``(score, key)``,
   ``upto`` inclusive, ``float('inf')``, ``limit``, entries that move, vanish and come
-  back with ``put`` and vanish with ``delete``;
+  back with ``put`` and vanish with ``delete``; an unknown index name refused with
+  ``ValueError``;
 * ``scan``: code-point key order, ``after``, ``limit``;
 * scope (SCOPE-2) and space isolation;
 * atomicity under concurrency: exactly one winner per CAS (REPL-1), exact counters;
@@ -1252,6 +1253,28 @@ class DurableKvConformance:
                 f"BACK-7/REPL-1: each put is atomic, so {tasks} tasks x {increments} CAS increments with retry end at "
                 f"count {total}, version {total + 1}; got {got!r}"
             )
+
+        self.run_kv(kv_factory, body)
+
+    @pytest.mark.spec("BACK-7")
+    def test_an_unknown_index_name_is_refused(self, kv_factory: KvFactory) -> None:
+        """BACK-7: ``range`` over an index other than ``"due"`` and ``"expires"`` raises
+        ``ValueError`` naming it — a misspelt name must not quietly read the other
+        index (or nothing) and make a sweep miss due records."""
+
+        async def body(kv: DurableKv, s: Scopes) -> None:
+            await kv.put(s.a, "inbox", "k", {}, expected_version=0, due=1.0, expires=2.0)
+            for bad in ("dues", "Due", "", "expire"):
+                try:
+                    got = await kv.range(s.a, "inbox", bad, upto=INF, limit=10)  # type: ignore[arg-type]
+                except ValueError as exc:
+                    assert repr(bad) in str(exc), (
+                        f"BACK-7: the ValueError for an unknown index names it ({bad!r}); got {exc}"
+                    )
+                else:
+                    raise AssertionError(
+                        f"BACK-7: range over the unknown index {bad!r} raises ValueError; it returned {got!r}"
+                    )
 
         self.run_kv(kv_factory, body)
 

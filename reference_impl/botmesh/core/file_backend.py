@@ -88,7 +88,7 @@ from .errors import (
     VersionConflict,
 )
 from .fileio import FileIO, default_io
-from .spi import Capabilities, DurableKv, IndexName, KvDurability, Versioned, check_json_object
+from .spi import Capabilities, DurableKv, IndexName, KvDurability, Versioned, check_index, check_json_object
 
 __all__ = ["SNAPSHOT_FORMAT", "FileDurability", "FileKv"]
 
@@ -585,7 +585,7 @@ class FileKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """See :meth:`DurableKv.range`."""
         self._check()
-        pos = 2 if index == "due" else 3
+        pos = 2 if check_index(index) == "due" else 3
         entries = sorted(
             (entry[pos], key)
             for key, entry in self._records.get((scope, space), {}).items()

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, VersionConflict
 from .records import InboxRecord, OutboxRecord
-from .spi_types import INDEXES, Capabilities, IndexName, Versioned
+from .spi_types import INDEXES, Capabilities, IndexName, Versioned, check_index
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
 
@@ -54,6 +54,7 @@ __all__ = [
     "MemoryDurability",
     "MemoryKv",
     "Versioned",
+    "check_index",
     "check_json_object",
 ]
 
@@ -121,7 +122,8 @@ class DurableKv(ABC):
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
-        ascending by ``(score, key)``. ``upto`` may be ``float('inf')``."""
+        ascending by ``(score, key)``. ``upto`` may be ``float('inf')``. An ``index`` other
+        than ``"due"`` and ``"expires"`` raises ``ValueError``."""
 
     @abstractmethod
     async def scan(
@@ -212,7 +214,7 @@ class MemoryKv(DurableKv):
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
     ) -> list[tuple[float, str]]:
         self._check()
-        pos = 2 if index == "due" else 3
+        pos = 2 if check_index(index) == "due" else 3
         entries = sorted(
             (entry[pos], key)
             for key, entry in self._space(scope, space).items()

@@ -10,6 +10,16 @@ IndexName = Literal["due", "expires"]
 INDEXES: tuple[IndexName, ...] = ("due", "expires")
 
 
+def check_index(index: Any) -> IndexName:
+    """``index`` when it names one of :data:`INDEXES`; ``ValueError`` naming it otherwise
+    (a misspelt name must not silently read the other index)."""
+    if index == "due":
+        return "due"
+    if index == "expires":
+        return "expires"
+    raise ValueError(f"index must be one of 'due', 'expires'; got {index!r}")
+
+
 class Versioned(NamedTuple):
     """A stored value and its version."""
 

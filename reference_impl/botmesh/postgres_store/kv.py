@@ -141,7 +141,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from ..core.errors import BackendUnavailableError, VersionConflict
-from ..core.spi import Capabilities, DurableKv, IndexName, Versioned
+from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index
 from ._config import (
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
@@ -550,10 +550,9 @@ class PostgresKv(DurableKv):
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
-        ascending by ``(score, key)`` (``"due"`` selects the due index, any other name the
-        expires index, as in ``MemoryKv``)."""
+        ascending by ``(score, key)``; ``ValueError`` for an unknown index name."""
+        column = check_index(index)
         s = self._statements("range")
-        column = "due" if index == "due" else "expires"
         limited = _limit_sql(limit)
         params: tuple[Any, ...] = (scope, space, float(upto), *((limit,) if limited else ()))
 

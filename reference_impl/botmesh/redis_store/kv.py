@@ -120,7 +120,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
-from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_json_object
+from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
 __all__ = [
     "ClusterSpec",
@@ -626,8 +626,7 @@ class RedisKv(DurableKv):
         ascending by ``(score, key)`` (one ``ZRANGEBYSCORE``; Redis orders equal scores by
         member bytes, i.e. by code point)."""
         keys = self.keys_of(scope, space)
-        # Like MemoryKv: "due" selects the due index, any other name the expires index.
-        name = keys["due"] if index == "due" else keys["expires"]
+        name = keys[check_index(index)]  # ValueError for an unknown name
         upper = float(upto)
         if math.isnan(upper):
             raise ValueError("upto must be a number, not NaN")

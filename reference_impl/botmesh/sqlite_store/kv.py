@@ -37,7 +37,7 @@ import threading
 from typing import Any
 
 from ..core.errors import BackendUnavailableError, VersionConflict
-from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_json_object
+from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
@@ -212,8 +212,7 @@ class SQLiteKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)``."""
-        # Like MemoryKv: "due" selects the due index, any other name the expires index.
-        column = "due" if index == "due" else "expires"
+        column = check_index(index)  # ValueError for an unknown name
         sql = (
             f"SELECT {column}, key FROM durable"
             f" WHERE scope = ? AND space = ? AND {column} IS NOT NULL AND {column} <= ?"
