@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from botmesh.core.records import OutboxRecord
 
 from .backends import BackendHarness, resolve
 from .workloads import WORKLOADS, Workload, transient
@@ -274,6 +275,46 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
         await world.close()
 
 
+def _order_streams(outbox: dict[str, OutboxRecord]) -> dict[tuple[str, str], str]:
+    """``(chat, text) -> stream`` for the sends of an enqueued record and its parts:
+    ``"enqueued <first part's key>"`` (the parts linked by ``previous_part``). Texts not
+    listed are inline sends (one stream per chat)."""
+    streams: dict[tuple[str, str], str] = {}
+    for rec in outbox.values():
+        if rec.origin != "enqueue":
+            continue
+        root, seen = rec, {rec.key}
+        while root.previous_part is not None and root.previous_part in outbox and root.previous_part not in seen:
+            root = outbox[root.previous_part]
+            seen.add(root.key)
+        streams[(rec.chat_id, str(rec.content.get("text")))] = f"enqueued {root.key!r}"
+    return streams
+
+
+def order_violations(
+    want: list[tuple[str, str]], got: list[tuple[str, str]], streams: dict[tuple[str, str], str]
+) -> list[Violation]:
+    """First deliveries keep the oracle's order within each ordered stream of a chat: its
+    inline sends (a handler's replies in the order made, parts included), and each
+    enqueued send's parts (``streams``, from :func:`_order_streams`). An enqueued send is
+    delivered by the sweep whenever it runs, so it has no order with respect to the
+    inline replies (OUT-10): on a backend with real I/O the sweep may run while a handler
+    journals its reply."""
+    found: list[Violation] = []
+    for chat in sorted({c for c, _ in want}):
+        for stream in sorted({streams.get((chat, t), "inline") for c, t in want if c == chat}):
+            want_order = [t for c, t in want if c == chat and streams.get((c, t), "inline") == stream]
+            firsts: list[str] = []
+            for c, t in got:
+                if c == chat and t not in firsts and streams.get((c, t), "inline") == stream:
+                    firsts.append(t)
+            if [t for t in firsts if t in want_order] != [t for t in want_order if t in firsts]:
+                where = "" if stream == "inline" else f" (the parts of {stream})"
+                found.append(Violation(("OUT-12", "OUT-11"),
+                                       f"chat {chat!r} got {firsts}{where}, expected the order {want_order}"))
+    return found
+
+
 async def check(world: World, truth: Oracle, outcome: Outcome) -> None:
     """The history checker: append every broken guarantee to ``outcome.violations``."""
     assert world.bot is not None and world.bot.durability is not None
@@ -319,15 +360,8 @@ async def check(world: World, truth: Oracle, outcome: Outcome) -> None:
             v.append(Violation(("OUT-2", "GUAR-4"), f"{item} delivered {got}x, only {amb} ambiguous "
                                                   "send(s) account for duplicates"))
 
-    # order of parts and sends per chat (OUT-11, OUT-12): first deliveries keep the oracle's order
-    for chat in {c for c, _ in truth.deliveries}:
-        want_order = [t for c, t in truth.deliveries if c == chat]
-        firsts: list[str] = []
-        for c, t in outcome.deliveries:
-            if c == chat and t not in firsts:
-                firsts.append(t)
-        if [t for t in firsts if t in want_order] != [t for t in want_order if t in firsts]:
-            v.append(Violation(("OUT-12", "OUT-11"), f"chat {chat!r} got {firsts}, expected the order {want_order}"))
+    # order of parts and sends per chat (OUT-11, OUT-12)
+    v.extend(order_violations(truth.deliveries, outcome.deliveries, _order_streams(outbox)))
 
     # every record settled; DLQ and metrics consistent
     unsettled = [k for k, r in outbox.items() if r.state not in ("sent", "unknown", "dead")]

@@ -50,6 +50,14 @@ def _enqueue(bot: Bot) -> None:
         await ctx.reply(f"{ctx.text}/scheduled")
 
 
+def _enqueue_long(bot: Bot) -> None:
+    @bot.otherwise
+    async def handler(ctx: Any) -> None:
+        long = " ".join(f"{ctx.text}-reminder{i:02d}" for i in range(8))
+        await bot.enqueue(ctx.chat_id, long, idempotency_key=f"reminder:{ctx.record_id}")
+        await ctx.reply(f"{ctx.text}/scheduled")
+
+
 def _split(bot: Bot) -> None:
     @bot.otherwise
     async def handler(ctx: Any) -> None:
@@ -93,6 +101,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload(
             "split", "a reply over the channel limit, split in parts", _split, [("c1", "a", "m1")],
             ("OUT-12", "OUT-13"), text_limit=40,
+        ),
+        Workload(
+            "enqueue-split", "an enqueued reminder over the channel limit, split by the sweep", _enqueue_long,
+            [("c1", "a", "m1")], ("OUT-10", "OUT-12", "OUT-13"), text_limit=40,
         ),
         Workload(
             "flow", "a persistent flow waiting for an answer", _flow, [("c1", "start", "m1")], ("GUAR-5", "FLOW-1"),

@@ -14,7 +14,7 @@ import pytest
 
 from botmesh.core.spi import KvDurability
 from botmesh_testkit.cli import main
-from botmesh_testkit.matrix import Cell, cells_for, random_cells, run_matrix
+from botmesh_testkit.matrix import Cell, cells_for, order_violations, random_cells, run_matrix
 from botmesh_testkit.profiles import ProfileError, load_profile
 from botmesh_testkit.workloads import WORKLOADS
 
@@ -29,6 +29,29 @@ async def test_full_matrix_is_green(backend: str) -> None:
     assert len(result.outcomes) > 300
     assert all(o.crashed for o in result.outcomes if o.cell.point != "*"), "a dry-run point was not reached"
     assert not result.failed, "\n".join(o.report(11) for o in result.failed[:5])
+
+
+@spec("TEST-4", "OUT-11", "OUT-12", "OUT-10")
+def test_the_order_rule_holds_each_stream_and_only_that() -> None:
+    """The checker's order rule: a chat's inline sends keep the crash-free run's order,
+    and so do the parts of each enqueued send; an enqueued send may land before or after
+    the inline replies (the sweep runs when it runs)."""
+    want = [("c1", "p1"), ("c1", "reply"), ("c1", "p2"), ("c1", "reply 2"), ("c2", "x")]
+    streams = {("c1", "p1"): "enqueued 'r'", ("c1", "p2"): "enqueued 'r'"}
+    # the enqueued parts moved around the inline replies, each stream in order: no violation
+    assert order_violations(want, [("c1", "reply"), ("c1", "reply 2"), ("c1", "p1"), ("c2", "x"), ("c1", "p2")],
+                            streams) == []
+    # a redelivered duplicate later on does not count: first deliveries decide
+    assert order_violations(want, [("c1", "p1"), ("c1", "reply"), ("c1", "p2"), ("c1", "reply 2"), ("c1", "p1")],
+                            streams) == []
+    # the parts swapped: caught, naming the stream
+    swapped = order_violations(want, [("c1", "p2"), ("c1", "p1"), ("c1", "reply"), ("c1", "reply 2")], streams)
+    assert [v.ids for v in swapped] == [("OUT-12", "OUT-11")] and "the parts of enqueued 'r'" in swapped[0].message
+    # the inline replies swapped: caught
+    inline = order_violations(want, [("c1", "reply 2"), ("c1", "reply"), ("c1", "p1"), ("c1", "p2")], streams)
+    assert len(inline) == 1 and "expected the order ['reply', 'reply 2']" in inline[0].message
+    # without the streams every send of a chat is one stream: the first order is then a violation
+    assert len(order_violations(want, [("c1", "reply"), ("c1", "reply 2"), ("c1", "p1"), ("c1", "p2")], {})) == 1
 
 
 @spec("TEST-4", "OUT-2", "GUAR-4")
