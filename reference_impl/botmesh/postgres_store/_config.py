@@ -118,14 +118,14 @@ def check_pool_sizes(min_size: Any, max_size: Any) -> tuple[int, int]:
     return min_size, max_size
 
 
+def _is_seconds(value: Any) -> bool:
+    """A finite number > 0 (``bool`` is not a number here)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def check_timeout(timeout: Any) -> float:
     """``timeout``: seconds (a finite number > 0)."""
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
+    if not _is_seconds(timeout):
         raise ConfigError(
             f"option 'timeout' must be a finite number of seconds > 0, got {timeout!r}", option="timeout", value=timeout
         )
@@ -137,12 +137,7 @@ def check_query_timeout(query_timeout: Any) -> float | None:
     finite number > 0)."""
     if query_timeout is None:
         return None
-    if (
-        isinstance(query_timeout, bool)
-        or not isinstance(query_timeout, (int, float))
-        or not math.isfinite(query_timeout)
-        or query_timeout <= 0
-    ):
+    if not _is_seconds(query_timeout):
         raise ConfigError(
             f"option 'query_timeout' must be None or a finite number of seconds > 0, got {query_timeout!r}",
             option="query_timeout",
