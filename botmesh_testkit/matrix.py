@@ -30,8 +30,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from botmesh.core.records import OutboxRecord
+from botmesh.core.store import Store
 
 from .backends import BackendHarness, resolve
 from .workloads import WORKLOADS, Workload, transient
@@ -221,9 +223,27 @@ def random_cells(backend: str, workload: str, history: list[str], count: int, rn
     ]
 
 
+class _StoreDown:
+    """A store that is down: every call raises (the "store is down" of INB-5)."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def down(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError(f"the store is down ({name})")
+
+        return down
+
+
 async def _recover(world: World, w: Workload) -> None:
-    """After a crash: a new bot, then the channel's redeliveries, drained."""
+    """After a crash: a new bot, then the channel's redeliveries, drained. With
+    ``store_down_at_restart`` the bot's store fails during the first sweep pass."""
     await world.restart()
+    if w.store_down_at_restart and world.bot is not None and not world.crashed:
+        bot, store = world.bot, world.bot.store
+        bot.store = cast(Store, _StoreDown())
+        try:
+            await world.clock.settle()  # the first pass runs: its replays fail before their handlers
+        finally:
+            bot.store = store
     # the channel redelivers everything that was not acknowledged, in order
     await _feed(world, w.inbound)
     await world.drain(DRAIN_MS)

@@ -4,7 +4,9 @@ A workload registers handlers on every incarnation (``setup``) and feeds inbound
 messages (``inbound``, a list of ``(chat_id, text, id)``) — all of them before the crash
 and, as a channel that redelivers (webhooks do), all of them again after the restart.
 ``channel_failures`` makes the channel refuse the first sends (retryable), and
-``text_limit`` makes the channel split long texts. What a run *should* deliver is not
+``text_limit`` makes the channel split long texts, and ``store_down_at_restart`` makes
+the bot's store (message log, flow checkpoints) fail during the first sweep pass after
+the restart, so the replays of that pass fail before their handlers (INB-5). What a run *should* deliver is not
 written here: the checker takes it from a crash-free run of the same workload (the
 oracle), so a workload cannot disagree with itself.
 """
@@ -29,6 +31,7 @@ class Workload:
     spec_ids: tuple[str, ...]
     text_limit: int | None = None
     channel_failures: int = 0
+    store_down_at_restart: bool = False
     answers: list[tuple[str, str, str]] = field(default_factory=list)
     """Inbound messages fed only after everything before them settled (flow answers)."""
 
@@ -115,6 +118,10 @@ WORKLOADS: dict[str, Workload] = {
             ("OUT-7", "RETRY-1"), channel_failures=2,
         ),
         Workload("raises", "a handler that sends and then raises", _raises, [("c1", "a", "m1")], ("INB-6",)),
+        Workload(
+            "store-down", "two replies; the store is down while the restarted bot replays", _replies(2),
+            [("c1", "a", "m1")], ("INB-3", "INB-5", "RETRY-1"), store_down_at_restart=True,
+        ),
     ]
 }
 

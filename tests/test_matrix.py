@@ -82,6 +82,29 @@ async def test_a_claim_that_ignores_leases_is_caught(monkeypatch: Any) -> None:
     assert "INB-3" in ids
 
 
+@spec("TEST-4", "INB-5", "INB-3")
+async def test_a_replay_given_up_after_a_store_failure_is_caught(monkeypatch: Any) -> None:
+    """The ``store-down`` workload: the replays of the restarted bot's first sweep pass
+    fail before their handlers. An engine that gives such a replay up (marks it done
+    instead of retrying it, INB-5) loses the replies the handler never made: the
+    checker must say so; the real engine passes the same cells. (An engine that merely
+    forgets to retry is rescued by the lease expiring, LEASE-2: eventual delivery cannot
+    tell the two apart, so that is not what this checks.)"""
+    from botmesh.core.engine import DurabilityRuntime
+
+    good = await run_matrix(["memory"], ["store-down"], seed=5)
+    assert good.outcomes and not good.failed
+
+    async def given_up(self: Any, record: Any, exc: BaseException) -> None:
+        await self.backend.inbox_complete(self.scope, record.id, token=record.token, now=self._now(),
+                                          expires_at=self._expires())
+
+    monkeypatch.setattr(DurabilityRuntime, "_inbox_failed", given_up)
+    bad = await run_matrix(["memory"], ["store-down"], seed=5)
+    ids = {i for o in bad.failed for v in o.violations for i in v.ids}
+    assert bad.failed and "GUAR-2" in ids, [o.report(5) for o in bad.failed[:2]]
+
+
 @spec("TEST-4")
 async def test_same_seed_same_cells_same_outcome() -> None:
     a = await run_matrix(["memory"], ["three-sends"], random_per_workload=8, seed=99)
