@@ -667,6 +667,33 @@ async def test_postgres_query_timeout_cuts_an_unanswered_call(private_pg: Privat
         await _stop_proxy(proxy)
 
 
+@pytest.mark.spec("BACK-2")
+async def test_postgres_query_timeout_none_waits_for_the_partition_to_heal(private_pg: PrivatePostgres) -> None:
+    """``query_timeout=None``: no limit — a call under a blackhole is still waiting
+    after 1.5 s (three times the limit the test above cuts at), and completes once the
+    partition heals (nothing cut, nothing logged)."""
+    from botmesh.postgres_store import PostgresKv
+
+    proxy = await _proxy_for(private_pg)
+    logger, captured = _capture_logger("no-query-timeout")
+    kv = PostgresKv(
+        connection_string=proxy.url_for(private_pg.url), table_prefix=f"qn{secrets.token_hex(4)}_",
+        logger=logger, min_size=1, max_size=1, timeout=5.0, query_timeout=None,
+    )
+    try:
+        await kv.open()
+        proxy.blackhole(True)
+        call = asyncio.ensure_future(kv.put("s", "inbox", "k", {"n": 1}, expected_version=0))
+        done, _ = await asyncio.wait({call}, timeout=1.5)
+        assert not done, f"the call ended under a blackhole without a query_timeout: {call}"
+        proxy.blackhole(False)
+        assert await asyncio.wait_for(call, 10) == 1
+        assert not captured.errors, [r.getMessage() for r in captured.errors]
+    finally:
+        await kv.close()
+        await _stop_proxy(proxy)
+
+
 class _CutAndPartition(FaultProxy):
     """A proxy whose ``cut_after_request`` also partitions the client from the server at
     the moment the cut fires (every other connection reset, new ones refused until
