@@ -1492,17 +1492,14 @@ class KillResult:
     def recovered_ms(self) -> list[float]:
         return [k.kill_to_recovered_ms for k in self.kills if k.kill_to_recovered_ms is not None]
 
-    def _accounted(self, count: int, kind: str) -> str:
-        """How the duplicates or losses of a passing run were accounted for (a failing run
-        lists each one that was not, under ``violated``)."""
-        if not count or not self.passed:
-            return ""
-        if kind == "dup":
-            return " (each covered by a durability:ambiguous event, OUT-14 resend)"
-        return " (each an outbox 'unknown' record after a durability:ambiguous event, OUT-14 skip)"
-
     def report(self) -> str:
         points = Counter(f"{k.mode}: {k.point}" for k in self.kills)
+        # how the duplicates and losses of a passing run were accounted for (a failing run
+        # lists each one that was not, under "violated")
+        dups, losses = self.accounting.duplicate_count, self.accounting.loss_count
+        dups_why = " (each covered by a durability:ambiguous event, OUT-14 resend)" if dups and self.passed else ""
+        losses_why = (" (each an outbox 'unknown' record after a durability:ambiguous event, OUT-14 skip)"
+                      if losses and self.passed else "")
         modes = Counter(k.mode for k in self.kills)
         lines = [
             f"{self.label} on {self.backend}, on_ambiguous={self.policy}, seed {self.seed}: "
@@ -1513,8 +1510,7 @@ class KillResult:
             f"({self.feeds - self.messages} redeliveries)",
             f"  inbox: {dict(sorted(self.inbox_states.items()))}; outbox: {dict(sorted(self.outbox_states.items()))}",
             f"  deliveries: {self.deliveries} of {self.distinct_keys} keys; duplicates: "
-            f"{self.accounting.duplicate_count}{self._accounted(self.accounting.duplicate_count, 'dup')}; "
-            f"losses: {self.accounting.loss_count}{self._accounted(self.accounting.loss_count, 'loss')}",
+            f"{dups}{dups_why}; losses: {losses}{losses_why}",
         ]
         if self.events:
             lines.append("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())))
@@ -2146,13 +2142,13 @@ def main(argv: list[str] | None = None) -> int:
         from .harness_postgres import PostgresHarness
 
         pg = PostgresHarness(workdir, url=cast(str, server_url))
-        spec, drop = ("postgres", pg.url, pg.table_prefix), pg.drop_table
+        spec, drop = cast(BackendSpec, pg.kill_spec()), pg.drop_table
         where = f"table {pg.table_prefix}durable"
     elif args.backend == "redis":
         from .harness_redis import RedisHarness
 
         rh = RedisHarness(workdir, url=cast(str, server_url))
-        spec, drop = ("redis", rh.url, rh.prefix), rh.delete_keys
+        spec, drop = cast(BackendSpec, rh.kill_spec()), rh.delete_keys
         where = f"keys of prefix {rh.prefix!r}"
     else:
         spec = ("file", os.path.join(workdir, "journal.json"), args.backend == "file+log")

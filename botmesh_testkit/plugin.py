@@ -585,8 +585,7 @@ def pytest_report_collectionfinish(config: pytest.Config, items: Sequence[pytest
     ours = sum(n for part, n in parts.items() if part != "tests")
     if not ours:
         return None
-    order = ["suite", "scenarios", "matrix", "kills", "services", "tests"]
-    detail = ", ".join(f"{part} {parts[part]}" for part in order if parts[part])
+    detail = ", ".join(f"{part} {parts[part]}" for part in (*PARTS, "services", "tests") if parts[part])
     return f"botmesh: {len(items)} items in all ({detail})"
 
 

@@ -3,12 +3,12 @@
 A workload registers handlers on every incarnation (``setup``) and feeds inbound
 messages (``inbound``, a list of ``(chat_id, text, id)``) — all of them before the crash
 and, as a channel that redelivers (webhooks do), all of them again after the restart.
-``channel_failures`` makes the channel refuse the first sends (retryable), and
+``channel_failures`` makes the channel refuse the first sends (retryable),
 ``text_limit`` makes the channel split long texts, and ``store_down_at_restart`` makes
 the bot's store (message log, flow checkpoints) fail during the first sweep pass after
-the restart, so the replays of that pass fail before their handlers (INB-5). What a run *should* deliver is not
-written here: the checker takes it from a crash-free run of the same workload (the
-oracle), so a workload cannot disagree with itself.
+the restart, so the replays of that pass fail before their handlers (INB-5). What a run
+*should* deliver is not written here: the checker takes it from a crash-free run of the
+same workload (the oracle), so a workload cannot disagree with itself.
 """
 
 from __future__ import annotations
@@ -46,19 +46,17 @@ def _replies(n: int) -> Callable[[Bot], None]:
     return setup
 
 
-def _enqueue(bot: Bot) -> None:
-    @bot.otherwise
-    async def handler(ctx: Any) -> None:
-        await bot.enqueue(ctx.chat_id, f"reminder for {ctx.text}", idempotency_key=f"reminder:{ctx.record_id}")
-        await ctx.reply(f"{ctx.text}/scheduled")
+def _enqueue(reminder: Callable[[str], str]) -> Callable[[Bot], None]:
+    """A handler that enqueues a keyed reminder (its text from the inbound text) and
+    replies."""
 
+    def setup(bot: Bot) -> None:
+        @bot.otherwise
+        async def handler(ctx: Any) -> None:
+            await bot.enqueue(ctx.chat_id, reminder(ctx.text), idempotency_key=f"reminder:{ctx.record_id}")
+            await ctx.reply(f"{ctx.text}/scheduled")
 
-def _enqueue_long(bot: Bot) -> None:
-    @bot.otherwise
-    async def handler(ctx: Any) -> None:
-        long = " ".join(f"{ctx.text}-reminder{i:02d}" for i in range(8))
-        await bot.enqueue(ctx.chat_id, long, idempotency_key=f"reminder:{ctx.record_id}")
-        await ctx.reply(f"{ctx.text}/scheduled")
+    return setup
 
 
 def _split(bot: Bot) -> None:
@@ -98,7 +96,8 @@ WORKLOADS: dict[str, Workload] = {
             [("c1", "a", "m1"), ("c2", "b", "m2")], ("GUAR-2", "GUAR-3", "GUAR-4", "OUT-3", "OUT-14"),
         ),
         Workload(
-            "enqueue", "a handler that enqueues a keyed reminder and replies", _enqueue, [("c1", "a", "m1")],
+            "enqueue", "a handler that enqueues a keyed reminder and replies",
+            _enqueue(lambda text: f"reminder for {text}"), [("c1", "a", "m1")],
             ("OUT-10", "OUT-3", "OUT-4"),
         ),
         Workload(
@@ -106,7 +105,8 @@ WORKLOADS: dict[str, Workload] = {
             ("OUT-12", "OUT-13"), text_limit=40,
         ),
         Workload(
-            "enqueue-split", "an enqueued reminder over the channel limit, split by the sweep", _enqueue_long,
+            "enqueue-split", "an enqueued reminder over the channel limit, split by the sweep",
+            _enqueue(lambda text: " ".join(f"{text}-reminder{i:02d}" for i in range(8))),
             [("c1", "a", "m1")], ("OUT-10", "OUT-12", "OUT-13"), text_limit=40,
         ),
         Workload(

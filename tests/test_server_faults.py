@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -629,6 +630,28 @@ async def test_proxy_blackhole_then_heal(kind: str, request: pytest.FixtureReque
     assert ch.target.captured.errors, f"no logger.error record from the backend ({v.line})"
 
 
+@contextlib.asynccontextmanager
+async def _pg_kv_via_proxy(
+    server: PrivatePostgres, *, query_timeout: float | None
+) -> AsyncIterator[tuple[Any, FaultProxy, _Captured]]:
+    """An open ``PostgresKv`` (one connection, a table prefix of its own) reaching
+    ``server`` through a fault proxy, with its captured logger; closed after."""
+    from botmesh.postgres_store import PostgresKv
+
+    proxy = await _proxy_for(server)
+    logger, captured = _capture_logger(f"query-timeout-{query_timeout}")
+    kv = PostgresKv(
+        connection_string=proxy.url_for(server.url), table_prefix=f"qt{secrets.token_hex(4)}_",
+        logger=logger, min_size=1, max_size=1, timeout=5.0, query_timeout=query_timeout,
+    )
+    try:
+        await kv.open()
+        yield kv, proxy, captured
+    finally:
+        await kv.close()
+        await _stop_proxy(proxy)
+
+
 @pytest.mark.spec("BACK-2", "OUT-14")
 async def test_postgres_query_timeout_cuts_an_unanswered_call(private_pg: PrivatePostgres) -> None:
     """A partitioned server (a blackhole: the bytes are held, nothing comes back) makes a
@@ -636,16 +659,7 @@ async def test_postgres_query_timeout_cuts_an_unanswered_call(private_pg: Privat
     hang. The connection is cut, reported to ``logger.error`` and replaced: after the
     partition heals, the next call works. The cut write's outcome is unknown; read back
     by key it is either absent or exactly what was written (never something else)."""
-    from botmesh.postgres_store import PostgresKv
-
-    proxy = await _proxy_for(private_pg)
-    logger, captured = _capture_logger("query-timeout")
-    kv = PostgresKv(
-        connection_string=proxy.url_for(private_pg.url), table_prefix=f"qt{secrets.token_hex(4)}_",
-        logger=logger, min_size=1, max_size=1, timeout=5.0, query_timeout=0.5,
-    )
-    try:
-        await kv.open()
+    async with _pg_kv_via_proxy(private_pg, query_timeout=0.5) as (kv, proxy, captured):
         assert await kv.put("s", "inbox", "k1", {"n": 1}, expected_version=0) == 1
         proxy.blackhole(True)
         started = time.monotonic()
@@ -662,9 +676,6 @@ async def test_postgres_query_timeout_cuts_an_unanswered_call(private_pg: Privat
         assert k2 is None or (k2.value == {"n": 2} and k2.version == 1), k2
         print(f"[server-faults] postgres query_timeout=0.5s: a write under a blackhole failed after {elapsed:.2f}s; "
               f"after healing it had {'landed' if k2 is not None else 'not landed'}")
-    finally:
-        await kv.close()
-        await _stop_proxy(proxy)
 
 
 @pytest.mark.spec("BACK-2")
@@ -672,16 +683,7 @@ async def test_postgres_query_timeout_none_waits_for_the_partition_to_heal(priva
     """``query_timeout=None``: no limit — a call under a blackhole is still waiting
     after 1.5 s (three times the limit the test above cuts at), and completes once the
     partition heals (nothing cut, nothing logged)."""
-    from botmesh.postgres_store import PostgresKv
-
-    proxy = await _proxy_for(private_pg)
-    logger, captured = _capture_logger("no-query-timeout")
-    kv = PostgresKv(
-        connection_string=proxy.url_for(private_pg.url), table_prefix=f"qn{secrets.token_hex(4)}_",
-        logger=logger, min_size=1, max_size=1, timeout=5.0, query_timeout=None,
-    )
-    try:
-        await kv.open()
+    async with _pg_kv_via_proxy(private_pg, query_timeout=None) as (kv, proxy, captured):
         proxy.blackhole(True)
         call = asyncio.ensure_future(kv.put("s", "inbox", "k", {"n": 1}, expected_version=0))
         done, _ = await asyncio.wait({call}, timeout=1.5)
@@ -689,9 +691,6 @@ async def test_postgres_query_timeout_none_waits_for_the_partition_to_heal(priva
         proxy.blackhole(False)
         assert await asyncio.wait_for(call, 10) == 1
         assert not captured.errors, [r.getMessage() for r in captured.errors]
-    finally:
-        await kv.close()
-        await _stop_proxy(proxy)
 
 
 class _CutAndPartition(FaultProxy):

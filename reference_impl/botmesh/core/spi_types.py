@@ -13,11 +13,10 @@ INDEXES: tuple[IndexName, ...] = ("due", "expires")
 def check_index(index: Any) -> IndexName:
     """``index`` when it names one of :data:`INDEXES`; ``ValueError`` naming it otherwise
     (a misspelt name must not silently read the other index)."""
-    if index == "due":
-        return "due"
-    if index == "expires":
-        return "expires"
-    raise ValueError(f"index must be one of 'due', 'expires'; got {index!r}")
+    for name in INDEXES:
+        if index == name:
+            return name
+    raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))}; got {index!r}")
 
 
 class Versioned(NamedTuple):

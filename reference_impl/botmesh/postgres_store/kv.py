@@ -613,9 +613,6 @@ class PostgresKv(DurableKv):
             result = await work(conn)
             if not conn.autocommit:
                 await conn.commit()
-            if cut:  # the answer came as the timer fired: the connection is cut all the same
-                with contextlib.suppress(Exception):
-                    await conn.close()
             return result
         except _DRIVER_ERRORS as exc:
             if cut:
@@ -624,8 +621,6 @@ class PostgresKv(DurableKv):
                     "was cut (the pool replaces it) and the outcome of the call is unknown",
                     self._label(), self._query_timeout, doing,
                 )
-                with contextlib.suppress(Exception):
-                    await conn.close()
                 raise BackendUnavailableError(
                     f"PostgreSQL {self._label()}: {doing} failed: no answer from the server within "
                     f"query_timeout={self._query_timeout}s (the connection was cut; a write may or may not "
@@ -641,6 +636,9 @@ class PostgresKv(DurableKv):
         finally:
             if timer is not None:
                 timer.cancel()
+            if cut:  # its socket is shut down (even when the answer came as the timer fired)
+                with contextlib.suppress(Exception):
+                    await conn.close()
             await self._release(pool, conn)
 
     async def _acquire(self, pool: Pool, doing: str) -> Conn:
