@@ -88,7 +88,7 @@ from botmesh.core.testing import MockProvider
 from botmesh_testkit.backends import SERVICE_BACKENDS, resolve
 from botmesh_testkit.crash import CrashableProvider, crashable
 from botmesh_testkit.matrix import Cell, Oracle, cells_for, oracle, random_cells, run_cell
-from botmesh_testkit.profiles import load_profile
+from botmesh_testkit.matrix.profiles import load_profile
 
 DEFAULT_BACKENDS = ["memory", "file", "file+log", "sqlite", "postgres", "redis"]
 PARTS = ("cells", "overhead")
@@ -121,7 +121,7 @@ def prepare_backend(name: str, cleanups: list[Callable[[], Any]]) -> str | None:
     if name not in SERVICE_BACKENDS:
         return None
     try:
-        from botmesh_testkit import services
+        from botmesh_testkit import servers as services
     except Exception as exc:
         return f"botmesh_testkit.services does not import: {one_line(exc)}"
     env = getattr(services, "ENV", {}).get(name) or f"BOTMESH_{name.upper()}_URL"

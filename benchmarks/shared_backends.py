@@ -539,7 +539,7 @@ def summarize_counts(run: BotRun) -> dict[str, Any]:
 
 async def start_servers(args: argparse.Namespace, wanted: list[str], closers: list[Any],
                         rows: list[Row], out: Any) -> None:
-    from botmesh_testkit import services
+    from botmesh_testkit import servers as services
 
     if "postgres" in wanted:
         row = Row("postgres", "postgres", None)
@@ -553,7 +553,7 @@ async def start_servers(args: argparse.Namespace, wanted: list[str], closers: li
                 pg = services.PrivatePostgres()
                 closers.append(pg.close)
                 await asyncio.to_thread(pg.start)
-                server = PostgresServer(pg.url, "private, botmesh_testkit.services.PrivatePostgres")
+                server = PostgresServer(pg.url, "private, botmesh_testkit.servers.PrivatePostgres")
             await server.describe()
             row.server, row.label = server, server.label
         except Exception as exc:
@@ -578,7 +578,7 @@ async def start_servers(args: argparse.Namespace, wanted: list[str], closers: li
                 rs = services.PrivateRedis(appendfsync=fsync)
                 closers.append(rs.close)
                 await asyncio.to_thread(rs.start)
-                server = RedisServer(rs.url, f"private, botmesh_testkit.services.PrivateRedis(appendfsync={fsync!r})",
+                server = RedisServer(rs.url, f"private, botmesh_testkit.servers.PrivateRedis(appendfsync={fsync!r})",
                                      key)
             await server.describe()
             row.server, row.label = server, server.label

@@ -18,43 +18,14 @@ import logging
 import random
 import sys
 
-from botmesh.core.backend import WRITE_OPS
-
-from .backends import HARNESSES, BackendSpecError, resolve
-from .crash import PROVIDER_SEND
-from .matrix import Cell
-from .profiles import ProfileError, builtin_names, load_profile
-
-POINT_SPEC: dict[str, tuple[str, ...]] = {
-    "inbox.journal": ("INB-1", "INB-4", "INB-8", "GUAR-1", "GUAR-2"),
-    "inbox.claim": ("INB-3", "INB-7", "LEASE-2", "LEASE-4", "GUAR-7"),
-    "inbox.heartbeat": ("LEASE-1", "REPL-3"),
-    "inbox.complete": ("INB-2", "GUAR-4", "LEASE-2"),
-    "inbox.retry_later": ("INB-5", "RETRY-1"),
-    "inbox.kill": ("INB-5", "INB-7", "GUAR-7", "OPS-1"),
-    "inbox.replay": ("OPS-2",),
-    "inbox.purge": ("OPS-3",),
-    "outbox.journal": ("OUT-1", "OUT-3", "OUT-10", "OUT-12", "GUAR-2"),
-    "outbox.claim": ("OUT-7", "OUT-14", "LEASE-2", "LEASE-4"),
-    "outbox.heartbeat": ("LEASE-1",),
-    "outbox.mark_sent": ("OUT-1", "OUT-2", "GUAR-3", "GUAR-4"),
-    "outbox.mark_failed": ("OUT-7", "OUT-9", "RETRY-1"),
-    "outbox.mark_dead": ("OUT-7", "OUT-8", "OUT-12", "OPS-1"),
-    "outbox.mark_unknown": ("OUT-14", "GUAR-3"),
-    "outbox.split": ("OUT-12", "OUT-13"),
-    "outbox.retry": ("OPS-2",),
-    "outbox.discard": ("OPS-2",),
-    "outbox.purge": ("OPS-3",),
-    PROVIDER_SEND: ("OUT-1", "OUT-6", "OUT-14", "GUAR-3"),
-}
-"""The spec ids each crash point exercises."""
-
 
 def _points(_: argparse.Namespace) -> int:
-    width = max(map(len, POINT_SPEC))
+    from .crash.points import POINTS, spec_ids
+
+    width = max(map(len, POINTS))
     print("Crash points (crash_before / crash_after / crash_at) and the spec ids they exercise:")
-    for op in [*WRITE_OPS, PROVIDER_SEND]:
-        print(f"  {op:<{width}}  {', '.join(POINT_SPEC.get(op, ()))}")
+    for op in POINTS:
+        print(f"  {op:<{width}}  {', '.join(spec_ids(op))}")
     return 0
 
 
@@ -65,6 +36,10 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import pytest
+
+    from .backends.registry import BackendSpecError, resolve
+    from .matrix.cells import Cell
+    from .matrix.profiles import ProfileError, load_profile
 
     backends = args.backend or ["sqlite"]
     for b in backends:
@@ -123,6 +98,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .backends.registry import HARNESSES
+    from .matrix.profiles import builtin_names
+
     parser = argparse.ArgumentParser(prog="botmesh-testkit", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the crash matrix against a backend and print a summary")

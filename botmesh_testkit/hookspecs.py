@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backends import BackendRegistry
+    from .backends.registry import BackendRegistry
 
 
 def pytest_botmesh_register_backends(registry: BackendRegistry) -> None:

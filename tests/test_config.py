@@ -23,7 +23,7 @@ from botmesh.core.config import Backoff
 from botmesh.core.spi import KvDurability, MemoryKv
 from botmesh.core.testing import MockProvider
 
-from botmesh_testkit.world import World
+from botmesh_testkit.crash import World
 
 SECOND = 1000.0
 MINUTE = 60 * SECOND

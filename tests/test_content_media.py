@@ -23,7 +23,7 @@ from botmesh.core.content import split_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from botmesh_testkit.world import World
+from botmesh_testkit.crash import World
 
 LIMIT = 20
 LONG = "The quick brown fox jumps over the lazy dog and keeps running far away."

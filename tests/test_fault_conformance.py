@@ -9,8 +9,8 @@ import os
 import pytest
 
 from botmesh_testkit.conformance.faults import ServerFaultConformance
-from botmesh_testkit.harness_postgres import PostgresHarness
-from botmesh_testkit.harness_redis import RedisHarness
+from botmesh_testkit.backends.postgres import PostgresHarness
+from botmesh_testkit.backends.redis import RedisHarness
 
 pytest_plugins = ["pytester"]
 
@@ -38,7 +38,7 @@ from botmesh.core.errors import BackendUnavailableError
 from botmesh.redis_store import RedisDurability, RedisKv
 
 from botmesh_testkit.conformance.faults import ServerFaultConformance
-from botmesh_testkit.harness_redis import RedisHarness
+from botmesh_testkit.backends.redis import RedisHarness
 
 
 class ReplayingKv(RedisKv):

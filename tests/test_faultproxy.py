@@ -27,7 +27,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from botmesh_testkit.faultproxy import FaultProxy, ThreadedFaultProxy
+from botmesh_testkit.servers.faultproxy import FaultProxy, ThreadedFaultProxy
 
 REDIS_URL = os.environ.get("BOTMESH_REDIS_URL") or "redis://127.0.0.1:6379/0"
 POSTGRES_URL = os.environ.get("BOTMESH_POSTGRES_URL") or "postgresql://postgres@127.0.0.1:5432/test"

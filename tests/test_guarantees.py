@@ -19,7 +19,7 @@ from botmesh.core.provider import (
 )
 from botmesh.core.testing import SimulatedCrash
 from botmesh_testkit.backends import BackendHarness, MemoryHarness
-from botmesh_testkit.world import World
+from botmesh_testkit.crash import World
 
 spec = pytest.mark.spec
 

@@ -31,7 +31,8 @@ from botmesh.core.file_backend import FileKv
 from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.spi import KvDurability
 from botmesh.sqlite_store import SQLiteKv
-from botmesh_testkit import kill, services
+from botmesh_testkit import kill
+from botmesh_testkit import servers as services
 from botmesh_testkit.kill import Delivery, Event, Incarnation, KillLoop, KillResult, Mark, Replicas, judge, replies
 
 pytest_plugins = ["pytester"]
@@ -609,8 +610,8 @@ def test_command_line_on_a_server_drops_its_prefix(backend: str, request: pytest
     loop on that server under a prefix of its own (from the work directory) and drops it
     when the run passed; without a URL it is a usage error naming the option and the
     environment variable."""
-    from botmesh_testkit.harness_postgres import table_prefix_for
-    from botmesh_testkit.harness_redis import prefix_for
+    from botmesh_testkit.backends.postgres import table_prefix_for
+    from botmesh_testkit.backends.redis import prefix_for
 
     if backend == "postgres":
         url = request.getfixturevalue("kill_pg_url")
@@ -671,7 +672,7 @@ def test_defaults(botmesh_kill_loop):
 @spec("TEST-4")
 def test_fixture_and_marker_as_a_user_runs_them(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=USER_TEST)
-    result = pytester.runpytest_subprocess("-p", "botmesh_testkit.kill_plugin", "-p", "no:cacheprovider",
+    result = pytester.runpytest_subprocess("-p", "botmesh_testkit.pytest.kill_plugin", "-p", "no:cacheprovider",
                                            "--strict-markers", "-s")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*kill loop on sqlite, on_ambiguous=resend, seed 5: passed*", "*kills: 3*"])

@@ -14,9 +14,10 @@ import pytest
 
 from botmesh.core.spi import KvDurability
 from botmesh_testkit.cli import main
-from botmesh_testkit.matrix import Cell, cells_for, order_violations, random_cells, run_matrix
-from botmesh_testkit.profiles import ProfileError, load_profile
-from botmesh_testkit.workloads import WORKLOADS
+from botmesh_testkit.checker import order_violations
+from botmesh_testkit.matrix import Cell, cells_for, random_cells, run_matrix
+from botmesh_testkit.matrix.profiles import ProfileError, load_profile
+from botmesh_testkit.matrix.workloads import WORKLOADS
 
 spec = pytest.mark.spec
 

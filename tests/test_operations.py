@@ -22,7 +22,7 @@ from botmesh.core import (
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
 from botmesh_testkit.crash import CrashableProvider, crashable
-from botmesh_testkit.world import World
+from botmesh_testkit.crash import World
 
 FAST = {"base_ms": 1000, "cap_ms": 60_000, "jitter": 0}
 OPS2_METRICS = {

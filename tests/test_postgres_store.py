@@ -59,8 +59,8 @@ from botmesh.core.spi import Capabilities, KvDurability, Versioned
 from botmesh.core.testing import MockProvider
 from botmesh.postgres_store import PostgresDurability, PostgresKv
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory
-from botmesh_testkit.harness_postgres import PostgresHarness, table_prefix_for
-from botmesh_testkit.world import World
+from botmesh_testkit.backends.postgres import PostgresHarness, table_prefix_for
+from botmesh_testkit.crash import World
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 URL = os.environ.get("BOTMESH_POSTGRES_URL", DEFAULT_URL)

@@ -13,7 +13,7 @@ import coverage
 import pytest
 
 from botmesh.core import engine
-from botmesh_testkit import recovery_coverage as rc
+from botmesh_testkit.matrix import coverage as rc
 from botmesh_testkit.matrix import Cell, Oracle, Outcome, oracle, run_cell, run_matrix
 
 pytest_plugins = ["pytester"]

@@ -56,8 +56,8 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory
-from botmesh_testkit.harness_redis import RedisHarness, prefix_for
-from botmesh_testkit.world import World
+from botmesh_testkit.backends.redis import RedisHarness, prefix_for
+from botmesh_testkit.crash import World
 
 URL = os.environ.get("BOTMESH_REDIS_URL", "redis://127.0.0.1:6379/0")
 spec = pytest.mark.spec

@@ -32,7 +32,7 @@ def make(workdir):
 '''
 
 NO_POSTGRES = '''
-import botmesh_testkit.services as services
+import botmesh_testkit.servers as services
 
 
 def _unavailable(url=None, *, require=False):

@@ -59,8 +59,8 @@ from botmesh.core.clock import RealClock
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.store import MemoryStore
 from botmesh.core.testing import MockProvider
-from botmesh_testkit.faultproxy import FaultProxy
-from botmesh_testkit.services import (
+from botmesh_testkit.servers.faultproxy import FaultProxy
+from botmesh_testkit.servers import (
     PrivatePostgres,
     PrivateRedis,
     ServerStartError,

@@ -29,8 +29,8 @@ import psycopg
 import pytest
 import redis
 
-from botmesh_testkit import services
-from botmesh_testkit.services import (
+from botmesh_testkit import servers as services
+from botmesh_testkit.servers import (
     POSTGRES_URL_ENV,
     REDIS_URL_ENV,
     PrivatePostgres,

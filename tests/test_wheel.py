@@ -44,8 +44,9 @@ from importlib.machinery import PathFinder
 mods = {name: importlib.import_module(name).__file__
         for name in ("botmesh", "botmesh.core", "botmesh.sqlite_store", "botmesh_testkit",
                      "botmesh_testkit.plugin", "botmesh_testkit.conformance", "botmesh_testkit.matrix")}
-from botmesh_testkit.profiles import BUILTIN_DIR, builtin_names
-from botmesh_testkit.scenario import SHIPPED_DIR, scenario_files
+from importlib.resources import files
+from botmesh_testkit.matrix.profiles import BUILTIN_PACKAGE, builtin_names
+from botmesh_testkit.scenario.collect import scenario_files, shipped_dir
 
 finders = [f if isinstance(f, type) else type(f) for f in sys.meta_path]
 eps = [ep for ep in md.entry_points(group="pytest11") if ep.name == "botmesh"]
@@ -58,10 +59,10 @@ print(json.dumps({
     "plugin_loaded_from": eps[0].load().__file__ if eps else None,
     "distribution": str(dist.locate_file("")),
     "distribution_files": sorted(str(f) for f in (dist.files or [])),
-    "matrices_dir": str(BUILTIN_DIR),
+    "matrices_dir": str(files(BUILTIN_PACKAGE)),
     "matrices": builtin_names(),
-    "scenarios_dir": str(SHIPPED_DIR),
-    "scenarios": [str(p) for p in scenario_files(SHIPPED_DIR)],
+    "scenarios_dir": str(shipped_dir()),
+    "scenarios": [str(p) for p in scenario_files(shipped_dir())],
 }))
 """
 
@@ -156,6 +157,11 @@ def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path) -> None:
     expected = {f"botmesh/{Path(f).relative_to('reference_impl/botmesh').as_posix()}"
                 for f in files if f.startswith("reference_impl/botmesh/") and f.endswith((".py", "py.typed"))}
     expected |= {f for f in files if f.startswith("botmesh_testkit/") and f.endswith((".py", ".toml", "py.typed"))}
+    # the top-level scenarios/guar/ and matrices/ install as botmesh_testkit.scenarios / .matrices
+    expected |= {"botmesh_testkit/scenarios/" + f.removeprefix("scenarios/guar/")
+                 for f in files if f.startswith("scenarios/guar/") and f.endswith(".py")}
+    expected |= {"botmesh_testkit/matrices/" + f.removeprefix("matrices/")
+                 for f in files if f.startswith("matrices/") and f.endswith((".py", ".toml", ".md"))}
     for needed in ("botmesh_testkit/matrices/smoke.toml", "botmesh_testkit/matrices/full.toml",
                    "botmesh_testkit/py.typed", "botmesh/py.typed", "botmesh_testkit/plugin.py"):
         assert needed in expected, f"{needed} is missing from the source tree itself"
@@ -180,7 +186,8 @@ def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path) -> None:
         f"an editable finder comes before PathFinder: {info['meta_path']}")
     assert _under(info["matrices_dir"], site) and {"smoke", "full"} <= set(info["matrices"]), info
     assert _under(info["scenarios_dir"], site), info
-    shipped = sorted(Path(f).name for f in files if re.fullmatch(r"botmesh_testkit/scenarios/guar_[^/]+\.py", f))
+    shipped = sorted(Path(f).name for f in files if re.fullmatch(r"scenarios/guar/guar_[^/]+\.py", f))
+    assert shipped, "no GUAR scenario file in scenarios/guar/"
     assert sorted(Path(p).name for p in info["scenarios"]) == shipped
     assert all(_under(p, site) for p in info["scenarios"]), info["scenarios"]
     assert info["entry_points"], "no pytest11 entry point named botmesh"

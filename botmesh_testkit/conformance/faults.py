@@ -44,7 +44,7 @@ from botmesh.core.backend import DurabilityBackend
 from botmesh.core.errors import BackendUnavailableError
 
 from ..backends import BackendHarness
-from ..faultproxy import FaultProxy
+from ..servers.faultproxy import FaultProxy
 from .durability import INC_1, LEASE_MS, OWNER_A, T0, inbound, outbound
 
 __all__ = ["ServerFaultConformance"]

@@ -15,6 +15,9 @@ from typing import Any
 from .backend import DurabilityBackend
 from .errors import ConfigError
 
+ON_AMBIGUOUS: tuple[str, ...] = ("skip", "resend")
+"""The values of ``durability.outbox.on_ambiguous`` (OUT-14), the default first."""
+
 _UNITS = {"ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0, "d": 86_400_000.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
@@ -184,7 +187,7 @@ def parse_durability(value: Any) -> DurabilityConfig:
         retries=_int(ob.get("retries", 5), "durability.outbox.retries", 0),
         backoff=_backoff(ob.get("backoff"), "durability.outbox.backoff", inbox.backoff),
         inline_max_ms=parse_duration(ob.get("inline_max_ms", "15s"), "durability.outbox.inline_max_ms"),
-        on_ambiguous=_choice(ob.get("on_ambiguous", "skip"), "durability.outbox.on_ambiguous", ("skip", "resend")),
+        on_ambiguous=_choice(ob.get("on_ambiguous", "skip"), "durability.outbox.on_ambiguous", ON_AMBIGUOUS),
         on_diverged=_choice(ob.get("on_diverged", "send"), "durability.outbox.on_diverged", ("send", "skip")),
         max_payload_bytes=_int(ob.get("max_payload_bytes", 1024 * 1024), "durability.outbox.max_payload_bytes", 1),
         lease_ms=parse_duration(ob.get("lease_ms", "60s"), "durability.outbox.lease_ms"),

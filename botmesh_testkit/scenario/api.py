@@ -48,37 +48,26 @@ prefer the ``expect_*`` helpers, or give plain ``assert`` statements a message.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
-import shlex
-import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
-import pytest
 from botmesh.core.bot import Bot, Handler, Pattern
 from botmesh.core.flows import Flow
 from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.testing import SimulatedCrash
 
-from .backends import BackendHarness, resolve
-from .matrix import compress
-from .world import World
+from ..backends.base import CAPABILITIES, BackendHarness
+from ..backends.registry import resolve
+from ..crash.world import DRAIN_MS, World
+from ..matrix.cells import compress
 
 _SetupT = TypeVar("_SetupT", bound=Callable[[Bot], object])
 _HandlerT = TypeVar("_HandlerT", bound=Handler)
 
 __all__ = ["CrashPoint", "DRAIN_MS", "Scenario", "ScenarioFailure", "ScenarioSpec", "scenario"]
 
-DRAIN_MS = 150_000.0
-"""Default virtual time :meth:`Scenario.drain` lets pass: past every default retry and
-backoff budget."""
-
-CAPABILITIES = ("survives_crash", "multi_process", "multi_host", "shared")
 
 
 @dataclass(frozen=True)
@@ -425,143 +414,3 @@ class Scenario:
             lines.append(f"events: {self.world.events}")
         lines.append(f"incarnations: {self.world.incarnations}")
         return lines
-
-
-# --------------------------------------------------------------------------------------
-# collection (used by the pytest plugin)
-# --------------------------------------------------------------------------------------
-SHIPPED_DIR = Path(__file__).parent / "scenarios"
-
-
-def scenario_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
-
-
-def load_module(path: Path) -> Any:
-    """Import a scenario file: shipped ones as package modules, others by path."""
-    if path.parent == SHIPPED_DIR:
-        return importlib.import_module(f"botmesh_testkit.scenarios.{path.stem}")
-    folder = str(path.parent.resolve())
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    digest = hashlib.sha1(folder.encode()).hexdigest()[:8]
-    name = f"botmesh_scenario_{digest}_{path.stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def scenarios_of(module: Any) -> list[ScenarioSpec]:
-    return [obj.__botmesh_scenario__ for obj in vars(module).values() if hasattr(obj, "__botmesh_scenario__")]
-
-
-class ScenarioFile(pytest.File):
-    """A scenario file; its items are ``scenario[backend(-policy)]``."""
-
-    def __init__(self, *, backends: Sequence[str], rerun: str, seed: int = 0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.backends = list(backends)
-        self.rerun = rerun
-        self.seed = seed
-
-    def collect(self) -> Iterator[pytest.Item]:
-        try:
-            module = load_module(self.path)
-        except Exception as exc:
-            raise self.CollectError(f"scenario file {self.path} failed to import: {exc!r}") from exc
-        found = scenarios_of(module)
-        if not found:
-            raise self.CollectError(f"scenario file {self.path} defines no @scenario function")
-        for spec in found:
-            for backend in self.backends:
-                for policy in spec.policies or (None,):
-                    suffix = backend if policy is None else f"{backend}-{policy}"
-                    if spec.crash is None or not self._claims(backend, spec.requires):
-                        yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}]", spec=spec,
-                                                       backend=backend, policy=policy)
-                        continue
-                    try:
-                        passed, raised = dry_run(spec, backend, policy)
-                    except BaseException as exc:  # the scenario fails without any crash
-                        yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}-dry-run]", spec=spec,
-                                                       backend=backend, policy=policy, dry_error=exc)
-                        continue
-                    for point in crash_points_of(spec, passed, raised, self.seed):
-                        yield ScenarioItem.from_parent(self, name=f"{spec.name}[{suffix}-{point.label}]", spec=spec,
-                                                       backend=backend, policy=policy, point=point)
-
-    @staticmethod
-    def _claims(backend: str, requires: Sequence[str]) -> bool:
-        if not requires:
-            return True
-        with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
-            caps = resolve(backend)(tmp).capabilities
-        return all(getattr(caps, c, False) for c in requires)
-
-
-class ScenarioItem(pytest.Item):
-    """One scenario on one backend (and policy)."""
-
-    def __init__(self, *, spec: ScenarioSpec, backend: str, policy: str | None, point: CrashPoint | None = None,
-                 dry_error: BaseException | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.spec = spec
-        self.backend = backend
-        self.policy = policy
-        self.point = point
-        self.dry_error = dry_error
-        self.scenario: Scenario | None = None
-        self.add_marker(pytest.mark.spec(*spec.ids))
-        self.user_properties.append(("botmesh_backend", backend))
-
-    def runtest(self) -> None:
-        spec = self.spec
-        if self.dry_error is not None:
-            raise ScenarioFailure(f"[{', '.join(spec.ids)}] the crash-free dry run (which finds the crash points) "
-                                  f"failed: {self.dry_error!r}") from self.dry_error
-        with tempfile.TemporaryDirectory(prefix="botmesh-scenario-") as tmp:
-            harness = resolve(self.backend)(tmp)
-            missing = [c for c in spec.requires if not getattr(harness.capabilities, c, False)]
-            if missing:
-                pytest.skip(f"capability not claimed: {', '.join(missing)} (backend {self.backend})")
-            self.scenario = Scenario(harness, backend=self.backend, ids=spec.ids, policy=self.policy, point=self.point)
-
-            async def run() -> None:
-                assert self.scenario is not None
-                try:
-                    await asyncio.wait_for(spec.fn(self.scenario), spec.timeout)
-                except TimeoutError:
-                    raise self.scenario.fail(f"did not finish within {spec.timeout:g} real seconds "
-                                             "(a backend that hangs or never settles)") from None
-                finally:
-                    await self.scenario.world.close()
-
-            asyncio.run(run())
-
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        head = f"scenario {self.path.name}::{self.spec.name} on {self.backend}"
-        if self.policy:
-            head += f" (on_ambiguous={self.policy})"
-        if self.point is not None:
-            head += f", dying at {self.point.label}"
-        lines = [f"{head} checks {', '.join(self.spec.ids)}"]
-        if isinstance(excinfo.value, AssertionError):
-            lines.append(f"  FAILED: {excinfo.value}")
-        else:
-            lines.append(str(super().repr_failure(excinfo)))
-        if self.scenario is not None:
-            lines += [f"  {line}" for line in self.scenario.story()]
-        lines.append(f"  reproduce: {self.parent.rerun} -k {shlex.quote(self.name)}")  # type: ignore[union-attr]
-        return "\n".join(lines)
-
-    def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"scenario {self.spec.name} [{self.backend}]"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import bisect
 import contextlib
+import functools
 import inspect
 import os
 import sys
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from botmesh.core import engine as _engine
 
 if TYPE_CHECKING:
-    from .matrix import Outcome
+    from .cells import Outcome
 
 ENGINE_FILE: str = os.path.realpath(inspect.getsourcefile(_engine) or _engine.__file__)
 """The measured file: ``botmesh/core/engine.py`` of the installed reference
@@ -123,19 +124,38 @@ def _recovery_code() -> dict[str, RecoveryFunction]:
     return code
 
 
-RECOVERY_CODE: Mapping[str, RecoveryFunction] = MappingProxyType(_recovery_code())
-"""name -> :class:`RecoveryFunction`, in :data:`RECOVERY_FUNCTIONS` order; computed
-from the engine's source at import, so it follows the file when it changes."""
+@functools.cache
+def recovery_code() -> Mapping[str, RecoveryFunction]:
+    """name -> :class:`RecoveryFunction`, in :data:`RECOVERY_FUNCTIONS` order; computed
+    from the engine's source on first use (not at import: that needs a coverage
+    analysis), so it follows the file when it changes. Also as the module attribute
+    ``RECOVERY_CODE``."""
+    return MappingProxyType(_recovery_code())
 
-RECOVERY_LINES: frozenset[int] = frozenset().union(*(f.lines for f in RECOVERY_CODE.values()))
-"""Every statement line of :data:`RECOVERY_CODE`."""
 
-_BODIES = sorted((min(f.lines), f.last, sorted(f.lines)) for f in RECOVERY_CODE.values() if f.lines)
+@functools.cache
+def all_recovery_lines() -> frozenset[int]:
+    """Every statement line of :func:`recovery_code` (also ``RECOVERY_LINES``)."""
+    return frozenset().union(*(f.lines for f in recovery_code().values()))
+
+
+@functools.cache
+def _bodies() -> list[tuple[int, int, list[int]]]:
+    return sorted((min(f.lines), f.last, sorted(f.lines)) for f in recovery_code().values() if f.lines)
+
+
+def __getattr__(name: str) -> Any:
+    # RECOVERY_CODE / RECOVERY_LINES stay readable as constants, computed on first use
+    if name == "RECOVERY_CODE":
+        return recovery_code()
+    if name == "RECOVERY_LINES":
+        return all_recovery_lines()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def function_of(line: int) -> str | None:
     """The recovery function a line of :data:`ENGINE_FILE` belongs to, if any."""
-    for f in RECOVERY_CODE.values():
+    for f in recovery_code().values():
         if f.first <= line <= f.last:
             return f.name
     return None
@@ -146,7 +166,7 @@ def recovery_lines(raw: Iterable[int]) -> frozenset[int]:
     :data:`RECOVERY_CODE` statement lines (each statement's first line)."""
     hit: set[int] = set()
     for n in raw:
-        for lo, hi, stmts in _BODIES:
+        for lo, hi, stmts in _bodies():
             if lo <= n <= hi:
                 hit.add(stmts[bisect.bisect_right(stmts, n) - 1])
                 break
@@ -277,7 +297,7 @@ class PointCoverage:
     def functions(self) -> dict[str, int]:
         """name -> lines of it this point's cells ran, for the functions they ran."""
         out = {}
-        for f in RECOVERY_CODE.values():
+        for f in recovery_code().values():
             n = len(self.lines & f.lines)
             if n:
                 out[f.name] = n
@@ -350,7 +370,7 @@ class RecoveryCoverage:
             return
         pc = self.points.setdefault(point, PointCoverage(point))
         pc.cells += 1
-        pc.lines.update(n for n in lines if n in RECOVERY_LINES)
+        pc.lines.update(n for n in lines if n in all_recovery_lines())
 
     def merge(self, other: RecoveryCoverage) -> None:
         for point, pc in other.points.items():
@@ -374,7 +394,7 @@ class RecoveryCoverage:
 
     @property
     def total(self) -> int:
-        return len(RECOVERY_LINES)
+        return len(all_recovery_lines())
 
     @property
     def percent(self) -> float:
@@ -385,7 +405,7 @@ class RecoveryCoverage:
         return [
             FunctionCoverage(f.name, f.first, f.last, len(f.lines), len(f.lines & hit),
                              tuple(_ranges(f.lines - hit, f.lines)))
-            for f in RECOVERY_CODE.values()
+            for f in recovery_code().values()
         ]
 
     def never_reached(self) -> list[tuple[str, str]]:
@@ -397,7 +417,7 @@ class RecoveryCoverage:
     # -- output -----------------------------------------------------------------------------
     def format(self) -> str:
         lines = [
-            f"recovery coverage of {ENGINE_NAME} ({len(RECOVERY_CODE)} recovery functions, {self.total} lines): "
+            f"recovery coverage of {ENGINE_NAME} ({len(recovery_code())} recovery functions, {self.total} lines): "
             f"{len(self.hit)}/{self.total} lines reached ({self.percent}%) by {self.cells} cells",
         ]
         extra = []
@@ -463,7 +483,7 @@ class RecoveryCoverage:
         """The inverse of :meth:`to_json` (to merge the reports of xdist workers)."""
         agg = cls(moment=moment)
         for p in data.get("points", ()):
-            agg.points[p["point"]] = PointCoverage(p["point"], int(p["cells"]), set(p["lines"]) & RECOVERY_LINES)
+            agg.points[p["point"]] = PointCoverage(p["point"], int(p["cells"]), set(p["lines"]) & all_recovery_lines())
         agg.no_crash = int(data.get("no_crash", 0))
         agg.unmeasured = int(data.get("unmeasured", 0))
         agg.notes = list(data.get("notes", ()))

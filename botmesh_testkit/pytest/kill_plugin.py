@@ -1,8 +1,7 @@
 """pytest support for real-process kill tests (:mod:`botmesh_testkit.kill`): the fixture
 ``botmesh_kill_loop`` and the marker ``botmesh_kill``.
 
-Load it with ``-p botmesh_testkit.kill_plugin`` (or ``pytest_plugins = [...]`` in a
-root ``conftest.py``) until the main plugin registers it. Example::
+The main plugin (:mod:`botmesh_testkit.plugin`) registers it. Example::
 
     import pytest
 
@@ -57,7 +56,7 @@ def _spec(backend: Any, tmp: str) -> tuple[Any, ...]:
 def botmesh_kill_loop(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     """``botmesh_kill_loop(backend, handler=None, **options) -> KillLoop`` (see the
     module docstring)."""
-    from .kill import KillLoop
+    from ..kill import KillLoop
 
     loops: list[KillLoop] = []
     marker = request.node.get_closest_marker(MARKER)

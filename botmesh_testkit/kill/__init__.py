@@ -28,7 +28,7 @@ outside world saw.
   channel has it, the outbox does not know); other kills land after a random delay.
 * :class:`KillLoop` kills and restarts one ``instance_id`` K times at seeded moments,
   lets the last incarnation drain, then :func:`judge` checks the history with the rules
-  of the crash matrix's checker (:func:`botmesh_testkit.matrix.check`): every admitted
+  of the crash matrix's checker (:func:`botmesh_testkit.checker.history.check`): every admitted
   inbound done or in the DLQ as the rules allow (INB-7), ``skip`` never duplicates and
   every missing send is an ``unknown`` record, ``resend`` never loses and every duplicate
   has a ``durability:ambiguous`` event, fencing tokens only grow (LEASE-2).
@@ -36,7 +36,7 @@ outside world saw.
   let another take its leases, thaw it and read its ``stale_leases``.
 
 A kill test in a few lines (the ``botmesh_kill_loop`` fixture of
-:mod:`botmesh_testkit.kill_plugin` builds a :class:`KillLoop` in ``tmp_path``)::
+:mod:`botmesh_testkit.pytest.kill_plugin` builds a :class:`KillLoop` in ``tmp_path``)::
 
     async def handler(ctx):
         await ctx.reply(f"echo {ctx.text}")
@@ -96,7 +96,7 @@ from botmesh.core.engine import derive_scope
 from botmesh.core.provider import Content, InboundEvent, Provider, ProviderError
 from botmesh.core.records import InboxRecord, OutboxRecord
 
-from .matrix import Violation
+from ..checker.violation import Violation
 
 _T = TypeVar("_T")
 
@@ -253,7 +253,7 @@ def _callable_repr(fn: Any) -> str:
 
 def _spec_repr(spec: BackendSpec) -> str:
     """The spec for a report: callables by name, server URLs without their password."""
-    from .services import redact_url
+    from ..servers import redact_url
 
     def one(x: Any) -> str:
         if callable(x):
@@ -1259,7 +1259,7 @@ def judge(
     messages fed and acknowledged, the final journals (read after the last child
     ended), the delivery ledger, the events and markers of every incarnation, and
     optionally a run without harness kills (the oracle) — and returns the violations
-    (with requirement ids, as :func:`botmesh_testkit.matrix.check`) and how each
+    (with requirement ids, as :func:`botmesh_testkit.checker.history.check`) and how each
     duplicate and loss was accounted for."""
     v: list[Violation] = []
     acc = Accounting()
@@ -1697,7 +1697,7 @@ class KillLoop:
             backend = spec_name(self.spec)
             server = ""
             if self.spec[0] in ("postgres", "redis"):
-                from .services import redact_url
+                from ..servers import redact_url
 
                 server = f" --{self.spec[0]}-url {shlex.quote(redact_url(str(self.spec[1])))}"
             cli = (f"python -m botmesh_testkit.kill --backend {backend}{server} --messages {self._kw['messages']} "
@@ -2139,13 +2139,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "sqlite":
         spec = ("sqlite", os.path.join(workdir, "bot.db"))
     elif args.backend == "postgres":
-        from .harness_postgres import PostgresHarness
+        from ..backends.postgres import PostgresHarness
 
         pg = PostgresHarness(workdir, url=cast(str, server_url))
         spec, drop = cast(BackendSpec, pg.kill_spec()), pg.drop_table
         where = f"table {pg.table_prefix}durable"
     elif args.backend == "redis":
-        from .harness_redis import RedisHarness
+        from ..backends.redis import RedisHarness
 
         rh = RedisHarness(workdir, url=cast(str, server_url))
         spec, drop = cast(BackendSpec, rh.kill_spec()), rh.delete_keys
@@ -2161,17 +2161,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.passed and not args.keep:
             asyncio.run(drop())
         else:
-            from .services import redact_url
+            from ..servers import redact_url
 
             print(f"kept for inspection: {where} on {redact_url(cast(str, server_url))}")
     return 0 if result.passed else 1
-
-if __name__ == "__main__":
-    # Run the imported module's main(), so that what is pickled into the children names
-    # botmesh_testkit.kill rather than __main__, and keep the children from running this
-    # file again as their __main__ (multiprocess would, warning each time).
-    sys.modules["__main__"].__spec__ = None
-    vars(sys.modules["__main__"]).pop("__file__", None)
-    from botmesh_testkit.kill import main as _main
-
-    sys.exit(_main())

@@ -33,44 +33,25 @@ from typing import Any
 
 import pytest
 
+from . import options
+from .options import PARTS, matrix_name, selected
+from .session import BotmeshSession, held_and_broken
+
 FORMAT = "botmesh-certification-report/1"
-CLAIMS = ("survives_crash", "multi_process", "multi_host", "shared")
 CERTIFIED = "certified"
 NOT_CERTIFIED = "not certified"
 PROBE_TIMEOUT = 30.0
 """Seconds allowed to open a backend for its claims, or to ask a server its version."""
 
-Row = tuple[str, str, str, tuple[str, ...], tuple[str, ...]]
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 
 
 # --------------------------------------------------------------------------------------
 # pieces
 # --------------------------------------------------------------------------------------
-def _id_key(s: str) -> tuple[str, int]:
-    prefix, _, num = s.partition("-")
-    return prefix, int(num) if num.isdigit() else 0
-
-
-def held_and_broken(rows: Iterable[Row]) -> tuple[list[str], dict[str, int]]:
-    """The ids held (exercised by a non-skipped item and broken by none) and the ids
-    broken (named by a failing item's violated ids) with how many items broke each —
-    the rule of the terminal summary."""
-    exercised: set[str] = set()
-    broken: Counter[str] = Counter()
-    for _, _, outcome, spec, violated in rows:
-        if outcome == "skipped":
-            continue
-        exercised.update(spec)
-        exercised.update(violated)
-        broken.update(violated)
-    held = sorted((i for i in exercised if not broken[i]), key=_id_key)
-    return held, {i: broken[i] for i in sorted(broken, key=_id_key)}
-
-
 def redact_argv(argv: Iterable[str]) -> list[str]:
     """``argv`` with the password of every URL in it replaced by ``***``."""
-    from .services import redact_url
+    from ..servers import redact_url
 
     return [_URL.sub(lambda m: redact_url(m.group(0)), str(arg)) for arg in argv]
 
@@ -116,7 +97,7 @@ def backend_versions(name: str, harness: Any = None) -> dict[str, str]:
     ``postgres`` and ``redis``."""
     from importlib.metadata import packages_distributions
 
-    from .backends import ENTRY_POINT_GROUP, HARNESSES, REGISTRY, SERVICE_BACKENDS, entry_point_backends
+    from ..backends.registry import ENTRY_POINT_GROUP, HARNESSES, REGISTRY, SERVICE_BACKENDS, entry_point_backends
 
     found: dict[str, str] = {}
     if name in SERVICE_BACKENDS:
@@ -173,7 +154,8 @@ def probe_backend(name: str) -> tuple[dict[str, bool] | None, str | None, dict[s
     """``(claims, error, versions)`` of a backend: its harness is resolved and opened
     (a factory backend learns its capabilities there), the capabilities read, and it is
     closed. ``claims`` is None and ``error`` says why when that fails."""
-    from .backends import resolve
+    from ..backends.base import CAPABILITIES
+    from ..backends.registry import resolve
 
     claims: dict[str, bool] | None = None
     error: str | None = None
@@ -190,7 +172,7 @@ def probe_backend(name: str) -> tuple[dict[str, bool] | None, str | None, dict[s
                     await harness.close()
 
             caps = asyncio.run(asyncio.wait_for(probe(), PROBE_TIMEOUT))
-            claims = {c: bool(getattr(caps, c)) for c in CLAIMS}
+            claims = {c: bool(getattr(caps, c)) for c in CAPABILITIES}
         except TimeoutError:
             error = f"opening the backend took longer than {PROBE_TIMEOUT:g} s"
         except Exception as exc:
@@ -199,35 +181,20 @@ def probe_backend(name: str) -> tuple[dict[str, bool] | None, str | None, dict[s
     return claims, error, versions
 
 
-def _skip_reason(longrepr: Any) -> str:
-    """The reason of a skipped test report (``Skipped: `` removed)."""
-    if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3:
-        text = str(longrepr[2])
-    else:
-        text = str(longrepr)
-    return text.removeprefix("Skipped: ")
-
-
 # --------------------------------------------------------------------------------------
 # the report
 # --------------------------------------------------------------------------------------
-def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[str, Any]:
+def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[str, Any]:
     """The report of this session, JSON-serializable (see the module docstring)."""
-    from . import plugin
-    from .profiles import load_profile
+    from ..matrix.profiles import load_profile
 
-    # fetched before copying: as an argument of list()/dict(), get() would be asked for a
-    # StashKey of an Iterable/Mapping, and StashKey is invariant
-    stored_results = config.stash.get(plugin.RESULTS_KEY, [])
-    stored_skips = config.stash.get(plugin._SKIPS_KEY, {})
-    results: list[Row] = list(stored_results)
-    service_skips: dict[str, str] = dict(stored_skips)
-    skip_reasons = config.stash.get(plugin.SKIP_REASONS_KEY, [])
-    kill_lines: dict[str, list[str]] = defaultdict(list)
-    for backend, lines in config.stash.get(plugin.KILL_REPORTS_KEY, []):
-        kill_lines[backend].extend(lines)
-    names = list(dict.fromkeys([*plugin._selected(config), *service_skips, *(r[0] for r in results)]))
-    matrix = config.getoption("--botmesh-matrix") or config.getini("botmesh_matrix")
+    config = state.config
+    results = list(state.results)
+    service_skips = dict(state.service_skips)
+    skip_reasons = state.skip_reasons
+    kill_lines = state.kill_lines()
+    names = list(dict.fromkeys([*selected(config), *service_skips, *(r.backend for r in results)]))
+    matrix = matrix_name(config)
     try:
         profile = load_profile(matrix)
         profile_info: dict[str, Any] = {"name": profile.name, "description": profile.description, "source": matrix}
@@ -237,12 +204,12 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
                                  pytest.ExitCode.USAGE_ERROR)
     backends = []
     for name in names:
-        rows = [r for r in results if r[0] == name]
+        rows = [r for r in results if r.backend == name]
         parts: dict[str, dict[str, int]] = {}
-        for part in (*plugin.PARTS, "tests"):
-            mine = [r for r in rows if r[1] == part]
+        for part in (*PARTS, "tests"):
+            mine = [r for r in rows if r.part == part]
             if mine:
-                parts[part] = {k: sum(r[2] == k for r in mine) for k in ("passed", "failed", "skipped")}
+                parts[part] = {k: sum(r.outcome == k for r in mine) for k in ("passed", "failed", "skipped")}
         held, broken = held_and_broken(rows)
         grouped: Counter[str] = Counter(reason for b, _, reason in skip_reasons if b == name)
         in_parts: dict[str, set[str]] = defaultdict(set)
@@ -287,7 +254,7 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
         })
-        recovery = config.stash.get(plugin.RECOVERY_KEY, {}).get(name)
+        recovery = state.recovery.get(name)
         if recovery is not None:
             entry["recovery_coverage"] = recovery.to_json()
         backends.append(entry)
@@ -296,9 +263,9 @@ def build_report(config: pytest.Config, exitstatus: int | None = None) -> dict[s
         "format": FORMAT,
         "verdict": CERTIFIED if backends and all(b["verdict"] == CERTIFIED for b in backends) else NOT_CERTIFIED,
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "seed": config.stash[plugin.SEED_KEY],
+        "seed": state.seed,
         "matrix": profile_info,
-        "parts": list(plugin._parts(config)),
+        "parts": list(options.parts(config)),
         "exit_status": None if exitstatus is None else int(exitstatus),
         "versions": run_versions(config),
         "command": _command(argv),
@@ -359,9 +326,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def write_report(config: pytest.Config, path: Path, exitstatus: int | None = None) -> dict[str, Any]:
+def write_report(state: BotmeshSession, path: Path, exitstatus: int | None = None) -> dict[str, Any]:
     """Build the report and write it to ``path`` (Markdown for ``.md``, else JSON)."""
-    report = build_report(config, exitstatus)
+    report = build_report(state, exitstatus)
     if path.suffix.lower() == ".md":
         text = render_markdown(report)
     else:

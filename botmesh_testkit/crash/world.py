@@ -23,8 +23,15 @@ from botmesh.core.provider import InboundEvent, Provider
 from botmesh.core.store import Store
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
-from .backends import BackendHarness
-from .crash import ChannelProvider, CrashableBackend, CrashableProvider, crashable
+from ..backends.base import BackendHarness
+from .provider import ChannelProvider, CrashableProvider
+from .wrapper import CrashableBackend, crashable
+
+DRAIN_MS = 150_000.0
+"""Virtual time the crash matrix and the scenarios let pass after each stage: well past
+the outbox's whole retry budget with the default backoff (about 31 s) and the inbox
+backoff, so a correct backend always settles; a broken one that never settles is judged
+after it."""
 
 
 class World:

@@ -24,19 +24,18 @@ fixture finalizer with ``asyncio.run``).
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
-
 import asyncio
 import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import MemoryStore, Store
 
-from .backends import BackendHarness
+from .base import BackendHarness
 
 DEFAULT_PORT = 5432
 
@@ -157,7 +156,7 @@ def provisioned(workdir: str | None = None) -> PostgresHarness:
     server of ``$BOTMESH_POSTGRES_URL``, which the pytest plugin sets to a database of its
     own on the server it provisioned (``--botmesh-postgres-url``, the environment, or a
     private server; :mod:`botmesh_testkit.services`)."""
-    from .services import POSTGRES_URL_ENV
+    from ..servers import POSTGRES_URL_ENV
 
     url = os.environ.get(POSTGRES_URL_ENV)
     if not url:

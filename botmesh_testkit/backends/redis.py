@@ -28,17 +28,16 @@ sockets of a backend that was left open on a finished loop.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
-
 import hashlib
 import os
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities
 from botmesh.core.store import MemoryStore, Store
 
-from .backends import BackendHarness
+from .base import BackendHarness
 
 DEFAULT_PORT = 6379
 
@@ -119,11 +118,10 @@ class RedisHarness(BackendHarness):
 
     async def delete_keys(self) -> int:
         """Delete every key of this harness's prefix; the number deleted."""
+        from botmesh.redis_store import key_pattern
         from redis.asyncio import Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-
-        from botmesh.redis_store import key_pattern
 
         client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), retry_on_error=[])
         deleted = 0
@@ -154,7 +152,7 @@ def provisioned(workdir: str | None = None) -> RedisHarness:
     """The harness of the built-in backend name ``redis``: a prefix per workdir, under the
     run's own prefix, on the server the pytest plugin provisioned
     (``$BOTMESH_REDIS_URL`` and ``$BOTMESH_REDIS_PREFIX``; :mod:`botmesh_testkit.services`)."""
-    from .services import REDIS_PREFIX_ENV, REDIS_URL_ENV
+    from ..servers import REDIS_PREFIX_ENV, REDIS_URL_ENV
 
     url = os.environ.get(REDIS_URL_ENV)
     if not url:

@@ -1,19 +1,31 @@
 """Matrix profiles: TOML files naming the workloads, the policies, how many random
 cells to draw per workload, and the real kill loops (``kills`` SIGKILLs per loop, one
 loop per backend and policy, over ``kill_messages`` messages; only for backends that
-claim ``survives_crash``). Built-in ones ship in ``botmesh_testkit/matrices/``
-(``smoke``, ``full``); a path to a ``.toml`` file selects a profile of one's own."""
+claim ``survives_crash``). Built-in ones are the files of the top-level ``matrices/``
+folder (``smoke``, ``full``), shipped as the package ``botmesh_testkit.matrices``; a
+path to a ``.toml`` file selects a profile of one's own."""
 
 from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from .matrix import POLICIES
+from .cells import POLICIES
 from .workloads import WORKLOADS
 
-BUILTIN_DIR = Path(__file__).parent / "matrices"
+BUILTIN_PACKAGE = "botmesh_testkit.matrices"
+"""The built-in profiles: the top-level ``matrices/`` folder of the source tree, shipped
+as this package's data (read through :mod:`importlib.resources`)."""
+
+KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages")
+"""Every key a profile file may have (``matrices/README.md`` says what each means)."""
+
+
+def _builtin(name: str) -> Traversable:
+    return files(BUILTIN_PACKAGE).joinpath(f"{name}.toml")
 
 
 class ProfileError(ValueError):
@@ -22,6 +34,9 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class Profile:
+    """A matrix profile: the workloads whose every crash point runs, under which
+    ``on_ambiguous`` policies, how many random cells per workload, and the kill loops."""
+
     name: str
     description: str
     workloads: tuple[str, ...]
@@ -33,26 +48,32 @@ class Profile:
 
 
 def builtin_names() -> list[str]:
-    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+    """The names of the built-in profiles."""
+    return sorted(p.name.removesuffix(".toml") for p in files(BUILTIN_PACKAGE).iterdir() if p.name.endswith(".toml"))
 
 
 def load_profile(name_or_path: str) -> Profile:
     """A built-in profile by name, or a TOML file by path."""
-    path = Path(name_or_path)
-    if not name_or_path.endswith(".toml"):
-        path = BUILTIN_DIR / f"{name_or_path}.toml"
-        if not path.exists():
+    if name_or_path.endswith(".toml"):
+        path = Path(name_or_path)
+        name = path.stem
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ProfileError(f"matrix profile file {str(path)!r} does not exist") from None
+    else:
+        builtin = _builtin(name_or_path)
+        if not builtin.is_file():
             raise ProfileError(f"unknown matrix profile {name_or_path!r}; choose one of {', '.join(builtin_names())} "
                                "or give a path to a .toml file")
+        name, path, text = name_or_path, Path(f"{name_or_path}.toml"), builtin.read_text(encoding="utf-8")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ProfileError(f"matrix profile file {str(path)!r} does not exist") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"matrix profile {str(path)!r} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"description", "workloads", "policies", "random_per_workload", "kills", "kill_messages"}
+    unknown = set(data) - set(KEYS)
     if unknown:
-        raise ProfileError(f"{path}: unknown key(s) {sorted(unknown)}")
+        raise ProfileError(f"{path}: unknown key(s) {sorted(unknown)}; known: {', '.join(KEYS)}")
     workloads = tuple(data.get("workloads", list(WORKLOADS)))
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
@@ -71,4 +92,4 @@ def load_profile(name_or_path: str) -> Profile:
         counts[key] = value
     if counts["kills"] and not counts["kill_messages"]:
         raise ProfileError(f"{path}: kill_messages must be > 0 when kills is set")
-    return Profile(path.stem, str(data.get("description", "")), workloads, policies, count, **counts)
+    return Profile(name, str(data.get("description", "")), workloads, policies, count, **counts)

@@ -1,0 +1,58 @@
+"""The FileDurability harness (``file`` and ``file+log``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from botmesh.core.backend import DurabilityBackend
+from botmesh.core.spi import Capabilities, DurableKv
+from botmesh.core.store import MemoryStore, Store
+
+from .base import BackendHarness
+
+
+class FileHarness(BackendHarness):
+    """``FileDurability`` (snapshot only, or with the append log); the bot's store is a
+    MemoryStore kept across the restart (it stands for a persistent store)."""
+
+    def __init__(self, workdir: str | None = None, *, append_log: bool = False, fsync: bool = True) -> None:
+        super().__init__(workdir)
+        self.append_log = append_log
+        self.fsync = fsync
+        self.name = "file+log" if append_log else "file"
+        self.path = os.path.join(self.workdir, "journal.json")
+        self.backend: Any = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(survives_crash=True)
+
+    async def _open(self) -> Any:
+        from botmesh.core.file_backend import FileDurability
+
+        return await FileDurability.open(self.path, append_log=self.append_log, fsync=self.fsync)
+
+    async def open(self) -> tuple[DurabilityBackend, Store]:
+        self.backend = await self._open()
+        self.store = MemoryStore()
+        return self.backend, self.store
+
+    async def reopen(self) -> tuple[DurabilityBackend, Store]:
+        self.backend.abandon()
+        self.backend = await self._open()
+        return self.backend, self.store
+
+    async def close(self) -> None:
+        if self.backend is not None:
+            await self.backend.close()
+            self.backend = None
+
+    def kill_spec(self) -> tuple[Any, ...] | None:
+        return ("file", self.path, self.append_log, self.fsync)
+
+    def kv_factory(self) -> Callable[[], DurableKv] | None:
+        from botmesh.core.file_backend import FileKv
+
+        return lambda: FileKv(self.path + ".kv", append_log=self.append_log, fsync=self.fsync)

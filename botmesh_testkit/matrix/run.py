@@ -1,0 +1,185 @@
+"""Running the crash matrix (TEST-4).
+
+A **cell** is (backend, workload, ``on_ambiguous`` policy, crash point). Running it:
+start a bot whose backend and provider can die, arm the crash, feed the workload's
+messages and let time run until the crash fires; abandon the bot; start a new bot on the
+same backend and store with the same ``instance_id``; let the channel redeliver every
+message (webhooks redeliver until acknowledged) and drain in virtual time. The history
+check (:func:`botmesh_testkit.checker.history.check`) then judges the history against the
+guarantees, using a crash-free run of the same workload as the oracle.
+
+The crash points of a cell come from a crash-free *dry run* of the workload on the same
+backend: every (operation, occurrence) it passed, before and after; plus random cells
+(``crash_at(n)``) drawn from a seed (:func:`botmesh_testkit.matrix.cells.draw_cells`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+from botmesh.core.store import Store
+
+from ..backends.base import BackendHarness
+from ..backends.registry import resolve
+from ..checker.history import check
+from ..crash.world import DRAIN_MS, World
+from .cells import POLICIES, Cell, MatrixResult, Oracle, Outcome, draw_cells
+from .workloads import WORKLOADS, Workload, transient
+
+
+def _world(harness: BackendHarness, w: Workload, policy: str, seed: int) -> World:
+    return World(
+        harness,
+        setup=w.setup,
+        durability={"outbox": {"on_ambiguous": policy}},
+        text_limit=w.text_limit,
+        seed=seed,
+    )
+
+
+async def _feed(world: World, messages: Iterable[tuple[str, str, str]]) -> None:
+    for chat_id, text, id in messages:
+        if world.crashed:
+            return
+        await world.receive(chat_id, text, id=id)
+
+
+async def _play(world: World, w: Workload) -> None:
+    """Feed the workload, letting time run between stages; stops at a crash."""
+    await _feed(world, w.inbound)
+    if not world.crashed:
+        await world.drain(DRAIN_MS)
+    if w.answers and not world.crashed:
+        await _feed(world, w.answers)
+        if not world.crashed:
+            await world.drain(DRAIN_MS)
+
+
+async def oracle(backend: str, workload: str, seed: int, workdir: str) -> Oracle:
+    """A crash-free run: what the workload delivers, and the crash points it passes."""
+    w = WORKLOADS[workload]
+    harness = resolve(backend)(workdir)
+    world = _world(harness, w, "skip", seed)
+    try:
+        await world.start(crash=True)  # armed with nothing: records the points passed
+        world.channel.fail_next(transient(), times=w.channel_failures)
+        await _play(world, w)
+        assert world.crashable is not None and world.bot is not None and world.bot.durability is not None
+        d = world.bot.durability
+        inbox = {r.id: r.state for r in await d.inbox.list()}
+        dead = len(await d.outbox.list(state="dead"))
+        return Oracle([(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent], inbox, dead,
+                      list(world.crashable.history), set(world.crashable.raised))
+    finally:
+        await world.close()
+
+
+class _StoreDown:
+    """A store that is down: every call raises (the "store is down" of INB-5)."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def down(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError(f"the store is down ({name})")
+
+        return down
+
+
+async def _recover(world: World, w: Workload) -> None:
+    """After a crash: a new bot, then the channel's redeliveries, drained. With
+    ``store_down_at_restart`` the bot's store fails during the first sweep pass."""
+    await world.restart()
+    if w.store_down_at_restart:
+        assert world.bot is not None  # the restarted bot is not crashable: it is there
+        bot, store = world.bot, world.bot.store
+        bot.store = cast(Store, _StoreDown())
+        try:
+            await world.clock.settle()  # the first pass runs: its replays fail before their handlers
+        finally:
+            bot.store = store
+    # the channel redelivers everything that was not acknowledged, in order
+    await _feed(world, w.inbound)
+    await world.drain(DRAIN_MS)
+    if w.answers:
+        await _feed(world, w.answers)
+        await world.drain(DRAIN_MS)
+
+
+async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measure_recovery: bool = False) -> Outcome:
+    """Run one cell and check its history. ``measure_recovery``: record the lines of
+    the engine's recovery code run from the restart to the end of the drain
+    (``Outcome.recovery_lines``)."""
+    w = WORKLOADS[cell.workload]
+    started = time.perf_counter()
+    harness = resolve(cell.backend)(workdir)
+    world = _world(harness, w, cell.policy, seed)
+    try:
+        await world.start(crash=True)
+        cb = world.crashable
+        assert cb is not None
+        if cell.point == "*":
+            cb.crash_at(cell.nth, cell.when)
+        elif cell.when == "before":
+            cb.crash_before(cell.point, cell.nth)
+        else:
+            cb.crash_after(cell.point, cell.nth)
+        world.channel.fail_next(transient(), times=w.channel_failures)
+        await _play(world, w)
+        crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)
+        recovery_lines: frozenset[int] | None = None
+        recovery_note: str | None = None
+        if crashed and measure_recovery:
+            from .coverage import measure
+
+            with measure() as measured:
+                await _recover(world, w)
+            recovery_lines, recovery_note = measured.lines, measured.note
+        elif crashed:
+            await _recover(world, w)
+        elif measure_recovery:
+            recovery_lines = frozenset()
+        outcome = Outcome(cell, crashed, crash_point, history=history,
+                          deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent],
+                          recovery_lines=recovery_lines, recovery_note=recovery_note)
+        await check(world, truth, outcome)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+    finally:
+        await world.close()
+
+
+async def run_matrix(
+    backends: list[str],
+    workloads: list[str],
+    *,
+    policies: Iterable[str] = POLICIES,
+    random_per_workload: int = 0,
+    seed: int = 0,
+    only: Cell | None = None,
+    progress: Callable[[Outcome], None] | None = None,
+    measure_recovery: bool = False,
+) -> MatrixResult:
+    """Run the matrix. ``only`` runs one cell (the reproduce command);
+    ``measure_recovery`` is passed to :func:`run_cell`."""
+    started = time.perf_counter()
+    outcomes: list[Outcome] = []
+    policies = list(policies)
+    for backend in backends:
+        for workload in workloads:
+            if only is not None and (only.backend != backend or only.workload != workload):
+                continue
+            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp:
+                truth = await oracle(backend, workload, seed, tmp)
+            cells = draw_cells(backend, workload, truth, policies, random_per_workload, seed)
+            if only is not None:
+                cells = [only]
+            for cell in cells:
+                with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
+                    outcome = await run_cell(cell, seed, truth, tmp, measure_recovery=measure_recovery)
+                outcomes.append(outcome)
+                if progress is not None:
+                    progress(outcome)
+    return MatrixResult(seed, outcomes, time.perf_counter() - started)
+

@@ -1,0 +1,234 @@
+"""The plugin's own test items: a crash-matrix cell, a failed dry run standing for a
+workload's cells, a kill loop, a backend whose server could not be provisioned; and the
+functions that build the items of each part."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .options import cell_budget, matrix_name, rerun_base
+
+if TYPE_CHECKING:
+    from ..matrix.cells import Cell, Oracle, Outcome
+
+
+class MatrixCellItem(pytest.Item):
+    """One crash-matrix cell as a test item."""
+
+    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cell = cell
+        self.oracle = oracle
+        self.seed = seed
+        self.outcome: Outcome | None = None
+        from ..crash.points import spec_ids
+        from ..matrix.workloads import WORKLOADS
+
+        ids = set(WORKLOADS[cell.workload].spec_ids) | set(spec_ids(cell.point))
+        self.add_marker(pytest.mark.spec(*sorted(ids)))
+        self.user_properties.append(("botmesh_backend", cell.backend))
+
+    def runtest(self) -> None:
+        from ..matrix.run import run_cell
+
+        budget = cell_budget(self.config)
+        with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
+            try:
+                measure = bool(self.config.getoption("--botmesh-recovery-coverage"))
+                self.outcome = asyncio.run(asyncio.wait_for(
+                    run_cell(self.cell, self.seed, self.oracle, tmp, measure_recovery=measure), budget))
+            except TimeoutError:
+                raise CellFailed(
+                    f"cell {self.cell.id}: did not finish within its real-time budget of {budget:g} s "
+                    "(--botmesh-cell-timeout). A backend that acknowledges updates without storing them, or "
+                    "never settles a record, keeps the recovery loop busy until the budget runs out.\n"
+                    f"  reproduce: {self.cell.command(self.seed)}") from None
+        if self.outcome.recovery_lines is not None or self.outcome.recovery_note is not None:
+            from ..matrix.coverage import record_of
+
+            self.user_properties.append(("botmesh_recovery", record_of(self.outcome)))
+        self.ihook.pytest_botmesh_cell_finished(cell=self.cell, outcome=self.outcome)
+        if not self.outcome.passed:
+            raise CellFailed(self.outcome.report(self.seed))
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-matrix", 0, f"crash cell {self.cell.id}"
+
+
+class CellFailed(Exception):
+    """A crash cell broke a guarantee; the message is the cell's report."""
+
+
+class BrokenDryRunItem(pytest.Item):
+    """Stands for the cells of a workload whose crash-free dry run failed."""
+
+    def __init__(self, *, backend: str, message: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.message = message
+        self.add_marker(pytest.mark.spec("TEST-4"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        raise CellFailed(self.message)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        return str(excinfo.value)
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-matrix", 0, self.name
+
+
+class KillLoopItem(pytest.Item):
+    """A real kill loop (:class:`~botmesh_testkit.kill.KillLoop`) on one backend and
+    policy: ``kills`` SIGKILLs of a child process running the bot."""
+
+    def __init__(self, *, backend: str, policy: str, kills: int, messages: int, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.policy = policy
+        self.kills = kills
+        self.messages = messages
+        self.seed = seed
+        self.add_marker(pytest.mark.spec("GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "INB-2", "INB-7", "OUT-2", "OUT-14",
+                                         "LEASE-2", "LEASE-4", "TEST-3"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        from ..backends.registry import resolve
+        from ..kill import KillLoop
+
+        with tempfile.TemporaryDirectory(prefix="botmesh-kills-") as tmp:
+            harness = resolve(self.backend)(tmp)
+            try:
+                asyncio.run(harness.open())  # a factory harness learns its capabilities here
+                spec, caps = harness.kill_spec(), harness.capabilities
+            finally:
+                asyncio.run(harness.close())  # the storage is the children's now (file locks ...)
+            if not caps.survives_crash:
+                pytest.skip(f"capability not claimed: survives_crash (backend {self.backend})")
+            if spec is None:
+                pytest.skip(f"backend {self.backend}: a child process cannot reach its storage")
+            try:
+                result = KillLoop(spec, kills=self.kills, messages=self.messages, seed=self.seed,
+                                  on_ambiguous=self.policy, workdir=os.path.join(tmp, "loop")).run()
+            finally:
+                asyncio.run(resolve(self.backend)(tmp).close())  # drop what the children left (tables, keys)
+        self.user_properties.append(("botmesh_kill_report", result.report().splitlines()[0:5]))
+        if not result.passed:
+            ids = sorted(result.violated_ids)
+            self.user_properties.append(("botmesh_violated", tuple(ids)))
+            matrix = matrix_name(self.config)
+            raise CellFailed(result.report() + f"\n  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=kills "
+                                               f"--botmesh-matrix={matrix} "
+                                               f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-kills", 0, self.name
+
+
+class ServiceSkipItem(pytest.Item):
+    """Stands for the items of a backend whose server could not be provisioned."""
+
+    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reason = reason
+
+    def runtest(self) -> None:
+        pytest.skip(self.reason)
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-services", 0, self.name
+
+
+def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, seed: int) -> list[pytest.Item]:
+    """The crash cells of ``backend`` (one item each), drawn from each workload's dry run."""
+    from ..matrix.cells import Cell, draw_cells
+    from ..matrix.profiles import load_profile
+    from ..matrix.run import oracle
+
+    profile = load_profile(matrix_name(config))
+    only = Cell.parse(config.getoption("--botmesh-cell")) if config.getoption("--botmesh-cell") else None
+    if only is not None and only.backend != backend:
+        return []
+    items: list[pytest.Item] = []
+    for workload in profile.workloads:
+        if only is not None and only.workload != workload:
+            continue
+        try:
+            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp:
+                truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), cell_budget(config)))
+        except Exception as exc:  # the backend cannot even run the workload without a crash
+            reason = ("did not finish within the cell budget (--botmesh-cell-timeout)"
+                      if isinstance(exc, TimeoutError) else f"raised {exc!r}")
+            name = f"botmesh-matrix::{backend}/{workload}/dry-run"
+            items.append(BrokenDryRunItem.from_parent(
+                session, name=name, nodeid=name, backend=backend,
+                message=f"the crash-free dry run of workload {workload!r} on {backend} {reason}; its crash cells "
+                        f"cannot be drawn. Reproduce: botmesh-testkit run --backend {shlex.quote(backend)} "
+                        f"--seed {seed} --parts matrix"))
+            continue
+        cells = draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
+        if only is not None:
+            cells = [only]
+        for cell in cells:
+            items.append(MatrixCellItem.from_parent(session, name=f"botmesh-matrix::{cell.id}",
+                                                    nodeid=f"botmesh-matrix::{cell.id}", cell=cell, oracle=truth,
+                                                    seed=seed))
+    return items
+
+
+def kill_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:
+    """The profile's kill loops: one item per backend and policy."""
+    from ..matrix.profiles import load_profile
+
+    profile = load_profile(matrix_name(config))
+    if not profile.kills:
+        return []
+    items: list[pytest.Item] = []
+    for backend in backends:
+        if backend == "memory":
+            continue  # nothing of it outlives a process: no kill loop to run
+        for policy in profile.policies:
+            name = f"botmesh-kills::{backend}/{policy}/{profile.kills}-kills"
+            items.append(KillLoopItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
+                                                  kills=profile.kills, messages=profile.kill_messages, seed=seed))
+    return items
+
+
+def scenario_items(session: pytest.Session, folder: Path, backends: list[str], label: str, rerun: str,
+                   seed: int) -> list[pytest.Item]:
+    """The scenarios of the files of ``folder``, on each backend."""
+    from ..scenario.collect import ScenarioFile, scenario_files
+
+    items: list[pytest.Item] = []
+    for path in scenario_files(folder):
+        node = ScenarioFile.from_parent(session, path=path, nodeid=f"botmesh-scenarios/{label}/{path.name}",
+                                        backends=backends, rerun=rerun, seed=seed)
+        items.extend(session.genitems(node))
+    return items
+
+
+def suite_items(session: pytest.Session) -> list[pytest.Item]:
+    """The conformance suites, parametrized over the selected backends."""
+    from ..conformance import _certify
+
+    path = Path(_certify.__file__)
+    module = pytest.Module.from_parent(session, path=path, nodeid="botmesh-conformance")
+    return list(session.genitems(module))
