@@ -4,8 +4,7 @@
 Part 1, crash cells (``--parts cells``). For each backend, the cells of a matrix profile
 (default ``smoke``) are drawn exactly as ``pytest --botmesh-backend=NAME
 --botmesh-seed=SEED`` draws them (``botmesh_testkit.matrix``: one crash-free dry run per
-workload with ``oracle()``, then ``cells_for()`` plus ``random_cells()`` with
-``random.Random(f"{seed}/{backend}")``), and each cell is run with ``run_cell()`` in a
+workload with ``oracle()``, then ``draw_cells()``, the one cell-drawing function), and each cell is run with ``run_cell()`` in a
 fresh temporary directory, one after the other, in one event loop. A cell's time is the
 wall time of ``run_cell()`` including the creation and removal of its directory: the
 bot until the crash, the restart, the redelivery and the drain in virtual time, and the
@@ -72,7 +71,6 @@ import json
 import logging
 import os
 import platform
-import random
 import shutil
 import sqlite3
 import statistics
@@ -87,7 +85,7 @@ from botmesh.core.bot import Bot
 from botmesh.core.testing import MockProvider
 from botmesh_testkit.backends import SERVICE_BACKENDS, resolve
 from botmesh_testkit.crash import CrashableProvider, crashable
-from botmesh_testkit.matrix import Cell, Oracle, cells_for, oracle, random_cells, run_cell
+from botmesh_testkit.matrix import Cell, Oracle, draw_cells, oracle, run_cell
 from botmesh_testkit.matrix.profiles import load_profile
 
 DEFAULT_BACKENDS = ["memory", "file", "file+log", "sqlite", "postgres", "redis"]
@@ -173,7 +171,6 @@ def subset(cells: list[Cell], n: int | None) -> list[Cell]:
 async def bench_cells(backend: str, profile: Any, seed: int, args: argparse.Namespace) -> CellsResult:
     res = CellsResult(backend)
     started = time.perf_counter()
-    rng = random.Random(f"{seed}/{backend}")  # as the plugin draws the random cells
     cells: list[Cell] = []
     truths: dict[str, Oracle] = {}
     for workload in profile.workloads:
@@ -184,9 +181,13 @@ async def bench_cells(backend: str, profile: Any, seed: int, args: argparse.Name
             return res
         truths[workload] = truth
         res.dry_seconds[workload] = [seconds]
-        cells += cells_for(backend, workload, truth.history, profile.policies, truth.raised)
-        cells += random_cells(backend, workload, truth.history, profile.random_per_workload, rng)
+        cells += draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
     res.total_cells = len(cells)
+    if args.list_cells:
+        for cell in cells:
+            print(cell.id)
+        res.skipped = "--list-cells: cells listed, none run"
+        return res
     chosen = subset(cells, args.cells)
     for workload in {c.workload for c in chosen}:  # more dry runs for a steadier baseline
         for _ in range(args.baseline_runs - 1):
@@ -624,6 +625,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5,
                    help="overhead repetitions, each with a fresh bare and a fresh crashable bot (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--list-cells", action="store_true",
+                   help="print the id of every cell drawn (as the plugin would draw them) and run none")
     args = p.parse_args(argv)
     args.parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
     if not args.parts or any(x not in PARTS for x in args.parts):

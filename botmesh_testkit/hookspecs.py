@@ -18,20 +18,25 @@ group ``botmesh_testkit.backends`` (``name = "pkg.module:factory"``; the object 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import pytest
 
 if TYPE_CHECKING:
     from .backends.registry import BackendRegistry
+    from .matrix.cells import Cell, Outcome
 
 
+@pytest.hookspec
 def pytest_botmesh_register_backends(registry: BackendRegistry) -> None:
     """Add backends by name: ``registry.add(name, harness_factory)`` where
-    ``harness_factory(workdir)`` returns a :class:`~botmesh_testkit.backends.BackendHarness`,
+    ``harness_factory(workdir)`` returns a :class:`~botmesh_testkit.backends.base.BackendHarness`,
     or ``registry.add_factory(name, factory)`` with a backend factory as for
     ``--botmesh-backend=pkg.module:factory``. Called once per test process, at
     configure time."""
 
 
-def pytest_botmesh_cell_finished(cell: Any, outcome: Any) -> None:
+@pytest.hookspec
+def pytest_botmesh_cell_finished(cell: Cell, outcome: Outcome) -> None:
     """A crash-matrix cell finished; ``outcome.passed``, ``outcome.violations`` and
     ``outcome.report(seed)`` say how."""

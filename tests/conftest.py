@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,3 +41,24 @@ def durable_harness(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[B
     h = HARNESSES[request.param](str(tmp_path))
     yield h
     asyncio.run(h.close())
+
+
+def collected_parts(output: str) -> dict[str, int]:
+    """The plugin's header line ``botmesh: N items in all (suite a, scenarios b, ...)``
+    as ``{"all": N, "suite": a, "scenarios": b, ...}``: what the plugin collected, counted
+    independently of the reports and the summary (tests compare those with it instead of
+    hard-coding how many items the shipped scenarios or the suite make)."""
+    found = re.search(r"^botmesh: (\d+) items in all \(([^)]*)\)$", output, re.M)
+    assert found, f"no 'botmesh: N items in all' header in the output:\n{output[-2000:]}"
+    parts = {"all": int(found.group(1))}
+    for piece in found.group(2).split(", "):
+        name, _, count = piece.rpartition(" ")
+        parts[name] = int(count)
+    return parts
+
+
+def shipped_scenario_files() -> list[Path]:
+    """The GUAR scenario files the distribution ships (each must yield items)."""
+    from botmesh_testkit.scenario.collect import scenario_files, shipped_dir
+
+    return scenario_files(shipped_dir())

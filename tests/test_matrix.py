@@ -3,7 +3,7 @@ violated ids on a broken one, deterministic for a seed."""
 
 from __future__ import annotations
 
-import random
+import asyncio
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -15,11 +15,14 @@ import pytest
 from botmesh.core.spi import KvDurability
 from botmesh_testkit.cli import main
 from botmesh_testkit.checker import order_violations
-from botmesh_testkit.matrix import Cell, cells_for, random_cells, run_matrix
+from botmesh_testkit.matrix import Cell, cells_for, run_matrix
 from botmesh_testkit.matrix.profiles import ProfileError, load_profile
 from botmesh_testkit.matrix.workloads import WORKLOADS
+from conftest import collected_parts, shipped_scenario_files
 
 spec = pytest.mark.spec
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @spec("TEST-4", "GUAR-2", "GUAR-3", "GUAR-4", "GUAR-5")
@@ -114,8 +117,46 @@ async def test_same_seed_same_cells_same_outcome() -> None:
     assert [(o.passed, o.crash_point, o.deliveries) for o in a.outcomes] == [
         (o.passed, o.crash_point, o.deliveries) for o in b.outcomes
     ]
-    c = random_cells("memory", "three-sends", ["x"] * 30, 8, random.Random(100))
-    assert c != [o.cell for o in a.outcomes if o.cell.point == "*"]
+    other = await run_matrix(["memory"], ["three-sends"], random_per_workload=8, seed=100)
+    assert [o.cell for o in other.outcomes if o.cell.point == "*"] != [o.cell for o in a.outcomes if o.cell.point == "*"]
+
+
+PROFILE = """description = "two workloads, random cells only matter here"
+workloads = ["one-send", "three-sends"]
+random_per_workload = 4
+"""
+
+
+def _random_ids(ids: list[str]) -> list[str]:
+    return sorted(i.removeprefix("botmesh-matrix::") for i in ids if ":*#" in i)
+
+
+@spec("TEST-4")
+def test_one_seed_draws_the_same_cells_through_every_entry_point(tmp_path: Path, pytester: pytest.Pytester) -> None:
+    """The plugin, the CLI, ``run_matrix`` and the benchmark draw their random cells
+    through one function: for one seed they are the same cells (they differed between
+    ``run_matrix`` and pytest)."""
+    profile = tmp_path / "two.toml"
+    profile.write_text(PROFILE, encoding="utf-8")
+    seed = 8
+    api = asyncio.run(run_matrix(["memory"], ["one-send", "three-sends"], random_per_workload=4, seed=seed))
+    via_api = _random_ids([o.cell.id for o in api.outcomes])
+    assert len(via_api) == 8
+    plugin = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--co", "-q", "--botmesh-backend=memory",
+                                           f"--botmesh-matrix={profile}", f"--botmesh-seed={seed}",
+                                           "--botmesh-parts=matrix")
+    assert _random_ids(plugin.stdout.lines) == via_api
+    junit = tmp_path / "cli.xml"
+    cli = subprocess.run([sys.executable, "-m", "botmesh_testkit.cli", "run", "--backend", "memory", "--matrix",
+                          str(profile), "--seed", str(seed), "--parts", "matrix", "--junitxml", str(junit)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert _random_ids([c.get("name", "") for c in ET.parse(junit).getroot().iter("testcase")]) == via_api
+    bench = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "crash_cells.py"), "--backends", "memory",
+                            "--parts", "cells", "--profile", str(profile), "--seed", str(seed), "--list-cells"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert _random_ids(bench.stdout.splitlines()) == via_api
 
 
 def test_cells_cover_every_point_both_ways() -> None:
@@ -152,9 +193,11 @@ def test_cli_run_goes_through_pytest_and_writes_junit(tmp_path: Path) -> None:
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "botmesh durability report" in out.stdout and "seed 5" in out.stdout
-    assert "memory: scenarios 10 passed, 0 failed" in out.stdout
+    collected = collected_parts(out.stdout)["scenarios"]
+    assert collected >= len(shipped_scenario_files())
+    assert f"memory: scenarios {collected} passed, 0 failed" in out.stdout
     cases = ET.parse(junit).getroot().iter("testcase")
-    assert len(list(cases)) == 10
+    assert len(list(cases)) == collected
     one = subprocess.run([sys.executable, "-m", "botmesh_testkit.cli", "run", "--seed", "5", "--cell",
                           "memory/split/resend/after:provider.send#2"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)

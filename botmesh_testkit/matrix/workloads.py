@@ -24,6 +24,11 @@ from botmesh.core.provider import ProviderError
 
 @dataclass(frozen=True)
 class Workload:
+    """What a bot does in one crash cell: ``setup`` registers its handlers on every
+    incarnation, ``inbound`` are the messages fed (again after the restart, as a channel
+    redelivers), ``spec_ids`` the requirements it exercises; the rest shape the channel
+    and the store (see the module docstring)."""
+
     name: str
     description: str
     setup: Callable[[Bot], None]
