@@ -166,21 +166,40 @@ def test_cells_cover_every_point_both_ways() -> None:
     assert Cell.parse(cells[0].id) == cells[0]
 
 
-def test_profiles_and_bad_values() -> None:
-    assert load_profile("smoke").workloads
-    with pytest.raises(ProfileError, match="unknown matrix profile 'nope'"):
+def test_the_builtin_profiles_load() -> None:
+    assert load_profile("smoke").workloads and load_profile("full").workloads
+
+
+def test_an_unknown_profile_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ProfileError, match="unknown matrix profile 'nope'; choose one of full, smoke"):
         load_profile("nope")
+
+
+def test_an_unknown_profile_key_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('workload = ["one-send"]\n', encoding="utf-8")
+    with pytest.raises(ProfileError, match=r"unknown key\(s\) \['workload'\]; known: description, workloads, "):
+        load_profile(str(bad))
+
+
+def test_a_bad_cell_id_is_refused() -> None:
     with pytest.raises(ValueError, match="--cell 'x'"):
         Cell.parse("x")
 
 
-def test_cli(capsys: Any) -> None:
+def test_cli_points_lists_every_crash_point_with_its_ids(capsys: Any) -> None:
     assert main(["points"]) == 0
-    assert "outbox.mark_sent" in capsys.readouterr().out
-    assert main(["run", "--backend", "nosuch"]) == 2
-    assert "--backend 'nosuch' is not a known backend" in capsys.readouterr().err
-    assert main(["run", "--matrix", "huge"]) == 2
-    assert "unknown matrix profile 'huge'" in capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "outbox.mark_sent" in out and "provider.send" in out and "GUAR-3" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["run", "--backend", "nosuch"], "--backend 'nosuch' is not a known backend"),
+    (["run", "--matrix", "huge"], "unknown matrix profile 'huge'"),
+])
+def test_cli_refuses_bad_arguments_with_status_2(capsys: Any, argv: list[str], message: str) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.spec("TEST-4")
