@@ -66,7 +66,8 @@ from .pytest.options import (
     selected,
     usage,
 )
-from .pytest.session import PLUGIN_NAME, BotmeshSession, part_of, session_of
+from .pytest.results import part_of
+from .pytest.session import PLUGIN_NAME, BotmeshSession, session_of
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:

@@ -13,7 +13,8 @@ from conftest import collected_parts, shipped_scenario_files
 pytest_plugins = ["pytester"]
 
 RUN = ("-p", "no:cacheprovider", "-p", "no:benchmark")
-MEMORY = ("--botmesh-backend=memory", "--botmesh-parts=scenarios,suite", "--botmesh-seed=11")
+MEMORY = ("--botmesh-backend=memory", "--botmesh-parts=suite,scenarios,matrix", "--botmesh-seed=11")
+"""Every part the memory backend's claims require (it claims nothing: no kill loop)."""
 
 BROKEN = '''
 from botmesh.core.spi import KvDurability, MemoryKv
@@ -65,7 +66,7 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert report["format"] == "botmesh-certification-report/1"
     assert report["verdict"] == "certified"
     assert report["seed"] == 11
-    assert report["parts"] == ["scenarios", "suite"]
+    assert report["parts"] == ["suite", "scenarios", "matrix"]
     assert report["matrix"]["name"] == "smoke" and "random cells" in report["matrix"]["description"]
     assert report["date"].endswith("+00:00")
     assert report["exit_status"] == 0
@@ -80,7 +81,10 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert memory["parts"]["scenarios"] == {"passed": collected["scenarios"], "failed": 0, "skipped": 0}
     suite = memory["parts"]["suite"]
     assert suite["failed"] == 0 and suite["skipped"] == outcomes["skipped"] == 4
-    assert suite["passed"] + collected["scenarios"] == outcomes["passed"]
+    assert suite["passed"] + collected["scenarios"] + collected["matrix"] == outcomes["passed"]
+    assert memory["parts"]["matrix"] == {"passed": collected["matrix"], "failed": 0, "skipped": 0}
+    assert memory["profile"] == "smoke" and memory["required_parts"] == ["suite", "scenarios", "matrix"]
+    assert memory["verdict_line"].startswith("certified at profile smoke")
     assert {"GUAR-3", "GUAR-4", "OUT-2"} <= set(memory["held"]) and memory["broken"] == []
     # the suite's skips, grouped by reason, name the claim memory does not make
     assert sum(s["count"] for s in memory["skips"]) == 4
@@ -104,7 +108,7 @@ def test_a_broken_third_party_backend_is_not_certified(pytester: pytest.Pytester
     entry = _backend(report, "thirdparty:make")
     assert entry["verdict"] == "not certified"
     failed = entry["parts"]["scenarios"]["failed"]
-    assert failed > 0 and f"{failed} item(s) failed" in entry["verdict_reasons"]
+    assert failed > 0 and entry["verdict_reasons"][0].startswith(f"{failed} item(s) failed, breaking ")
     assert "GUAR-4" in entry["broken"] and "OUT-2" in entry["broken"]
     assert entry["broken_items"]["GUAR-4"] >= 1
     assert not set(entry["broken"]) & set(entry["held"])
@@ -123,7 +127,7 @@ def test_a_markdown_report_has_a_table_per_backend(pytester: pytest.Pytester) ->
     text = (pytester.path / "cert.md").read_text(encoding="utf-8")
     assert text.startswith("# botmesh certification report")
     assert "**Verdict: certified**" in text
-    assert "## Backend `memory`: certified" in text
+    assert "## Backend `memory`: certified at profile smoke" in text
     scenarios = collected_parts(result.stdout.str())["scenarios"]
     for row in ("| claims | survives_crash no, multi_process no, multi_host no, shared no |",
                 f"| scenarios | {scenarios} passed, 0 failed, 0 skipped |",
@@ -162,7 +166,7 @@ def test_a_backend_whose_server_is_missing_is_not_certified(pytester: pytest.Pyt
     assert result.ret == 0
     report = _load(pytester, "r.json")
     assert report["verdict"] == "not certified"
-    assert _backend(report, "memory")["verdict"] == "certified"
+    assert _backend(report, "memory")["verdict"] == "partial"  # only its scenarios ran
     postgres = _backend(report, "postgres")
     assert postgres["verdict"] == "not certified"
     assert postgres["claims"] == "unknown" and "no server could be provisioned" in postgres["claims_error"]
@@ -196,6 +200,53 @@ def test_the_cli_passes_report_through(pytester: pytest.Pytester) -> None:
     assert result.ret == 0
     result.stdout.fnmatch_lines([f"botmesh report written to {pytester.path / 'cli.json'}"])
     report = _load(pytester, "cli.json")
-    assert report["verdict"] == "certified" and report["seed"] == 6
-    assert _backend(report, "memory")["parts"] == {"scenarios": {"passed": 10, "failed": 0, "skipped": 0}}
+    assert report["verdict"] == "partial" and report["seed"] == 6  # --parts scenarios: suite and matrix missing
+    scenarios = collected_parts(result.stdout.str())["scenarios"]
+    assert _backend(report, "memory")["parts"] == {"scenarios": {"passed": scenarios, "failed": 0, "skipped": 0}}
+    assert _backend(report, "memory")["missing_parts"] == ["suite", "matrix"]
     assert "run --backend memory --parts scenarios --seed 6 --report cli.json" in report["command"]
+
+
+GOOD_KV = '''
+from botmesh.core.spi import MemoryKv
+
+_STORES = {}
+
+
+def make(workdir):
+    return _STORES.setdefault(workdir, MemoryKv())
+'''
+
+
+@pytest.mark.spec("TEST-4", "BACK-7")
+@pytest.mark.parametrize("parts", ["scenarios", "scenarios,matrix,kills"])
+def test_a_run_that_leaves_out_a_required_part_is_partial_not_certified(pytester: pytest.Pytester, parts: str) -> None:
+    """Whatever passed, a run without the suite proves nothing about the contract
+    sentence by sentence (a CAS that ignores its expected version, say): the verdict is
+    partial, naming what did not run — never certified."""
+    pytester.makepyfile(thirdparty=GOOD_KV)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=thirdparty:make", f"--botmesh-parts={parts}",
+                                           "--botmesh-seed=5", "--botmesh-report=r.json")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    report = _load(pytester, "r.json")
+    entry = _backend(report, "thirdparty:make")
+    assert entry["verdict"] == "partial" and report["verdict"] == "partial"
+    assert "suite" in entry["missing_parts"]
+    assert "suite did not run (not selected with --botmesh-parts)" in entry["verdict_reasons"]
+    result.stdout.fnmatch_lines(["*verdict: partial at profile smoke: suite did not run (not selected with --botmesh-parts)*"])
+
+
+@pytest.mark.spec("TEST-4", "BACK-7", "GUAR-1")
+def test_a_backend_claiming_survives_crash_needs_its_kill_loops(pytester: pytest.Pytester) -> None:
+    """sqlite claims survives_crash: a run without kill loops (a profile with kills = 0)
+    is partial and says why; memory claims nothing and is certified by the same run."""
+    pytester.makefile(".toml", nokills='description = "no kill loops"\nworkloads = ["one-send"]\n')
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=sqlite", "--botmesh-backend=memory",
+                                           "--botmesh-matrix=nokills.toml", "--botmesh-seed=5", "--botmesh-report=r.json")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    report = _load(pytester, "r.json")
+    sqlite, memory = _backend(report, "sqlite"), _backend(report, "memory")
+    assert sqlite["verdict"] == "partial" and sqlite["missing_parts"] == ["kills"]
+    assert sqlite["verdict_reasons"] == ["kills did not run (profile 'nokills' has no kill loops (kills = 0))"]
+    assert memory["verdict"] == "certified" and memory["required_parts"] == ["suite", "scenarios", "matrix"]
+    assert report["verdict"] == "partial"

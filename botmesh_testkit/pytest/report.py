@@ -10,39 +10,35 @@ summaries and a verdict; for the run, the seed, the matrix profile, the parts, t
 (UTC), the versions of what was involved and the command line (passwords of URLs
 redacted). ``PATH`` ending in ``.md`` gives a Markdown document; anything else, JSON.
 
-A backend is **certified** when at least one of its items ran, none failed, its server
-was provisioned (no service skip) and the run was not interrupted. Skips of tests that
-need a capability the backend does not claim do not prevent it: the report lists the
-claims beside the verdict, and the skips with their reasons.
+The verdict of each backend is :mod:`.verdict`'s: **certified** only when every part its
+claims require ran and passed, **partial** when some did not run (listed), **not
+certified** when something broke, its server could not be had or the run did not
+complete; it names the profile it rests on. Skips of tests that need a capability the
+backend does not claim do not prevent it: the report lists the claims beside the
+verdict, and the skips with their reasons.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as _dt
 import json
-import platform
 import re
 import shlex
 import sys
-import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from . import options
 from .options import PARTS, matrix_name, selected
-from .session import BotmeshSession, held_and_broken
+from .probe import run_versions
+from .results import held_and_broken
+from .session import BotmeshSession
+from .verdict import overall
 
 FORMAT = "botmesh-certification-report/1"
-CERTIFIED = "certified"
-NOT_CERTIFIED = "not certified"
-PROBE_TIMEOUT = 30.0
-"""Seconds allowed to open a backend for its claims, or to ask a server its version."""
-
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 
 
@@ -61,124 +57,6 @@ def _command(argv: list[str]) -> str:
     if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "pytest":
         return shlex.join(["python", "-m", "pytest", *argv[1:]])
     return shlex.join(argv)
-
-
-def _dist_version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
-def run_versions(config: pytest.Config | None = None) -> dict[str, str]:
-    """botmesh-testkit, Python, pytest and the platform (and pytest-xdist under ``-n``)."""
-    found = {"botmesh-testkit": _dist_version("botmesh-testkit") or "unknown",
-             "python": platform.python_version(),
-             "pytest": pytest.__version__,
-             "platform": platform.platform()}
-    xdist = _dist_version("pytest-xdist")
-    if xdist and config is not None and getattr(config.option, "numprocesses", None):
-        found["pytest-xdist"] = xdist
-    return found
-
-
-def _guard(fn: Any, *args: Any) -> str:
-    try:
-        return str(fn(*args))
-    except Exception as exc:  # a version we could not learn is reported, not fatal
-        return f"unknown ({type(exc).__name__}: {exc})"
-
-
-def backend_versions(name: str, harness: Any = None) -> dict[str, str]:
-    """What provides the backend: the distribution of ``pkg`` for ``pkg.module:factory``
-    or of an entry point; the driver (and, when it answers quickly, the server) for
-    ``postgres`` and ``redis``."""
-    from importlib.metadata import packages_distributions
-
-    from ..backends.registry import ENTRY_POINT_GROUP, HARNESSES, REGISTRY, SERVICE_BACKENDS, entry_point_backends
-
-    found: dict[str, str] = {}
-    if name in SERVICE_BACKENDS:
-        driver = "psycopg" if name == "postgres" else "redis"
-        found[driver] = _dist_version(driver) or "not installed"
-        url = getattr(harness, "url", None)
-        if url:
-            found[f"{name} server"] = _guard(_server_version, name, url)
-        return found
-    if name in HARNESSES:
-        found["built in"] = f"botmesh-testkit {_dist_version('botmesh-testkit') or 'unknown'}"
-        return found
-    if REGISTRY.get(name) is not None:
-        found["registered"] = "by a pytest_botmesh_register_backends hook (conftest.py or plugin)"
-        return found
-    if ":" in name:
-        package = name.partition(":")[0].split(".")[0]
-        try:
-            dists = sorted(set(packages_distributions().get(package, [])))
-        except Exception:  # broken metadata of some installed distribution
-            dists = []
-        for dist in dists:
-            found[dist] = _dist_version(dist) or "unknown"
-        if not dists:
-            found[package] = "not from an installed distribution"
-        return found
-    try:
-        ep = entry_point_backends().get(name)
-        if ep is not None and ep.dist is not None:
-            found[ep.dist.name] = ep.dist.version
-            found["entry point"] = f"{ENTRY_POINT_GROUP}: {ep.value}"
-    except Exception as exc:
-        found["entry point"] = f"unknown ({exc!r})"
-    return found
-
-
-def _server_version(name: str, url: str) -> str:
-    if name == "postgres":
-        import psycopg
-
-        with psycopg.connect(url, connect_timeout=int(PROBE_TIMEOUT), autocommit=True) as conn:
-            row = conn.execute("SELECT version()").fetchone()
-        return str(row[0]) if row else "unknown"
-    import redis
-
-    client = redis.Redis.from_url(url, socket_timeout=PROBE_TIMEOUT, socket_connect_timeout=PROBE_TIMEOUT)
-    try:
-        return "redis " + str(client.info("server").get("redis_version", "unknown"))
-    finally:
-        client.close()
-
-
-def probe_backend(name: str) -> tuple[dict[str, bool] | None, str | None, dict[str, str]]:
-    """``(claims, error, versions)`` of a backend: its harness is resolved and opened
-    (a factory backend learns its capabilities there), the capabilities read, and it is
-    closed. ``claims`` is None and ``error`` says why when that fails."""
-    from ..backends.base import CAPABILITIES
-    from ..backends.registry import resolve
-
-    claims: dict[str, bool] | None = None
-    error: str | None = None
-    harness: Any = None
-    with tempfile.TemporaryDirectory(prefix="botmesh-report-") as tmp:
-        try:
-            harness = resolve(name)(tmp)
-
-            async def probe() -> Any:
-                try:
-                    await harness.open()
-                    return harness.capabilities
-                finally:
-                    await harness.close()
-
-            caps = asyncio.run(asyncio.wait_for(probe(), PROBE_TIMEOUT))
-            claims = {c: bool(getattr(caps, c)) for c in CAPABILITIES}
-        except TimeoutError:
-            error = f"opening the backend took longer than {PROBE_TIMEOUT:g} s"
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        versions = backend_versions(name, harness)
-    return claims, error, versions
 
 
 # --------------------------------------------------------------------------------------
@@ -200,8 +78,6 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
         profile_info: dict[str, Any] = {"name": profile.name, "description": profile.description, "source": matrix}
     except Exception as exc:
         profile_info = {"name": matrix, "description": f"unknown ({exc})", "source": matrix}
-    interrupted = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR,
-                                 pytest.ExitCode.USAGE_ERROR)
     backends = []
     for name in names:
         rows = [r for r in results if r.backend == name]
@@ -218,27 +94,18 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
                 in_parts[reason].add(part)
         skips = [{"reason": reason, "count": count, "parts": sorted(in_parts[reason])}
                  for reason, count in sorted(grouped.items(), key=lambda kv: (-kv[1], kv[0]))]
-        claims: dict[str, bool] | None
-        error: str | None
-        if name in service_skips:
-            claims, error, versions = None, service_skips[name], backend_versions(name)
-        else:
-            claims, error, versions = probe_backend(name)
+        claims, error, versions = state.probe(name)
         passed = sum(c["passed"] for c in parts.values())
         failed = sum(c["failed"] for c in parts.values())
-        reasons = []
-        if name in service_skips:
-            reasons.append(f"service skipped: {service_skips[name]}")
-        if failed:
-            reasons.append(f"{failed} item(s) failed")
-        if not passed and name not in service_skips:
-            reasons.append("no item ran")
-        if interrupted:
-            reasons.append(f"the run did not complete (exit status {int(exitstatus or 0)})")
+        verdict = state.verdict(name, exitstatus)
         entry: dict[str, Any] = {
             "name": name,
-            "verdict": NOT_CERTIFIED if reasons else CERTIFIED,
-            "verdict_reasons": reasons,
+            "verdict": verdict.status,
+            "verdict_line": verdict.line(),
+            "verdict_reasons": list(verdict.reasons),
+            "profile": verdict.profile,
+            "required_parts": list(verdict.required),
+            "missing_parts": list(verdict.missing),
             "claims": claims if claims is not None else "unknown",
         }
         if claims is None:
@@ -259,9 +126,10 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             entry["recovery_coverage"] = recovery.to_json()
         backends.append(entry)
     argv = redact_argv(sys.argv)
+    overall_verdict = overall([state.verdict(b["name"], exitstatus) for b in backends])
     return {
         "format": FORMAT,
-        "verdict": CERTIFIED if backends and all(b["verdict"] == CERTIFIED for b in backends) else NOT_CERTIFIED,
+        "verdict": overall_verdict,
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "seed": state.seed,
         "matrix": profile_info,
@@ -305,9 +173,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             claimed = ", ".join(f"{c} {'yes' if v else 'no'}" for c, v in claims.items())
         else:
             claimed = f"unknown ({_cell(b.get('claims_error'))})"
-        out += [f"## Backend `{b['name']}`: {b['verdict']}", "", "| | |", "| --- | --- |",
-                f"| verdict | **{b['verdict']}**"
+        out += [f"## Backend `{b['name']}`: {b['verdict']} at profile {_cell(b['profile'])}", "", "| | |", "| --- | --- |",
+                f"| verdict | **{b['verdict']}** at profile {_cell(b['profile'])}"
                 + (f" ({_cell('; '.join(b['verdict_reasons']))})" if b["verdict_reasons"] else "") + " |",
+                f"| parts required | {', '.join(b['required_parts'])} |",
                 f"| claims | {claimed} |"]
         for part, c in b["parts"].items():
             out.append(f"| {part} | {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped |")

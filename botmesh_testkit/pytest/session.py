@@ -7,77 +7,20 @@ them."""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from .options import PARTS, selected
+from .results import Result, held_and_broken, part_of, skip_reason
 
 if TYPE_CHECKING:
     from ..matrix.coverage import RecoveryCoverage
+    from .verdict import Verdict
 
 PLUGIN_NAME = "botmesh_session"
-
-
-class Result(NamedTuple):
-    """One botmesh item's outcome, as the summary and the report count it."""
-
-    backend: str
-    part: str
-    outcome: str
-    """``passed``, ``failed`` or ``skipped``."""
-    spec: tuple[str, ...]
-    """The requirement ids the item checks (its ``spec`` marker)."""
-    violated: tuple[str, ...]
-    """The ids it broke (a failing item's own, else its whole marker)."""
-
-
-def part_of(nodeid: str) -> str:
-    """The part an item belongs to, from its node id (``tests`` for the project's own)."""
-    if nodeid.startswith("botmesh-matrix::"):
-        return "matrix"
-    if nodeid.startswith("botmesh-scenarios/"):
-        return "scenarios"
-    if nodeid.startswith("botmesh-conformance"):
-        return "suite"
-    if nodeid.startswith("botmesh-kills::"):
-        return "kills"
-    if nodeid.startswith("botmesh-services::"):
-        return "services"
-    return "tests"
-
-
-def skip_reason(longrepr: Any) -> str:
-    """The reason of a skipped test report (``Skipped: `` removed)."""
-    if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3:
-        text = str(longrepr[2])
-    else:
-        text = str(longrepr)
-    return text.removeprefix("Skipped: ")
-
-
-def _id_key(s: str) -> tuple[str, int]:
-    prefix, _, num = s.partition("-")
-    return prefix, int(num) if num.isdigit() else 0
-
-
-def held_and_broken(rows: Iterable[Result]) -> tuple[list[str], dict[str, int]]:
-    """The ids held (exercised by a non-skipped item and broken by none) and the ids
-    broken (named by a failing item's violated ids) with how many items broke each —
-    the rule of the terminal summary."""
-    exercised: set[str] = set()
-    broken: Counter[str] = Counter()
-    for _, _, outcome, spec, violated in rows:
-        if outcome == "skipped":
-            continue
-        exercised.update(spec)
-        exercised.update(violated)
-        broken.update(violated)
-    held = sorted((i for i in exercised if not broken[i]), key=_id_key)
-    return held, {i: broken[i] for i in sorted(broken, key=_id_key)}
 
 
 class BotmeshSession:
@@ -95,6 +38,53 @@ class BotmeshSession:
         """Backend -> why its server could not be provisioned."""
         self.report_path: Path | None = None
         self.report_line: str | None = None
+        self._probed: dict[str, tuple[dict[str, bool] | None, str | None, dict[str, str]]] = {}
+
+    def probe(self, name: str) -> tuple[dict[str, bool] | None, str | None, dict[str, str]]:
+        """``(claims, error, versions)`` of a backend, opened once per run (on the
+        controller: under xdist the workers' probes do not reach it)."""
+        if name not in self._probed:
+            from .probe import backend_versions, probe_backend
+
+            if name in self.service_skips:
+                self._probed[name] = (None, self.service_skips[name], backend_versions(name))
+            else:
+                self._probed[name] = probe_backend(name)
+        return self._probed[name]
+
+    def why_not_run(self) -> dict[str, str]:
+        """Why a part may have no item in this run (for the verdict)."""
+        from ..matrix.profiles import load_profile
+        from .options import matrix_name, parts
+
+        why = {part: "not selected with --botmesh-parts" for part in PARTS if part not in parts(self.config)}
+        try:
+            if not load_profile(matrix_name(self.config)).kills:
+                why.setdefault("kills", f"profile {load_profile(matrix_name(self.config)).name!r} has no kill loops (kills = 0)")
+        except ValueError:
+            pass
+        if self.config.getoption("--botmesh-cell"):
+            for part in PARTS:
+                why.setdefault(part, "only one cell was run (--botmesh-cell)")
+        return why
+
+    def verdict(self, name: str, exitstatus: int | None) -> Verdict:
+        """The verdict on backend ``name`` (see :mod:`.verdict`)."""
+        from ..matrix.profiles import load_profile
+        from .options import matrix_name
+        from .verdict import judge
+
+        interrupted = None
+        if exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):
+            interrupted = f"the run did not complete (exit status {int(exitstatus or 0)})"
+        try:
+            profile = load_profile(matrix_name(self.config)).name
+        except ValueError:
+            profile = matrix_name(self.config)
+        claims, _, _ = self.probe(name)
+        return judge([r for r in self.results if r.backend == name], claims, profile=profile,
+                     service_skip=self.service_skips.get(name), interrupted=interrupted,
+                     why_not_run=self.why_not_run())
 
     # -- hooks ----------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -119,7 +109,7 @@ class BotmeshSession:
             self.skip_reasons.append((str(backend), part, skip_reason(report.longrepr)))
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-        self._summary(terminalreporter)
+        self._summary(terminalreporter, exitstatus)
         if self.report_line is not None:
             terminalreporter.write_line(self.report_line, red=" NOT " in self.report_line)
 
@@ -131,7 +121,7 @@ class BotmeshSession:
             lines[backend].extend(mine)
         return lines
 
-    def _summary(self, terminalreporter: Any) -> None:
+    def _summary(self, terminalreporter: Any, exitstatus: int) -> None:
         if not selected(self.config) and not self.results:
             return
         write = terminalreporter.write_line
@@ -169,6 +159,10 @@ class BotmeshSession:
                 write(f"  held ({len(held)}): {', '.join(held)}")
             if broken:
                 write(f"  BROKEN ({len(broken)}): " + ", ".join(f"{i} in {n} item(s)" for i, n in broken.items()))
+            if backend in selected(self.config):
+                verdict = self.verdict(backend, exitstatus)
+                write(f"  verdict: {verdict.line()}", bold=True, red=verdict.status != "certified",
+                      green=verdict.status == "certified")
 
 
 def session_of(config: pytest.Config) -> BotmeshSession:

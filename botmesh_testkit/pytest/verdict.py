@@ -1,0 +1,102 @@
+"""The verdict on a backend: **certified** only when every part its claims require ran
+and passed; **partial** when some of them did not run (not selected, not in the
+profile, or every item skipped), listing them; **not certified** when something broke,
+its server could not be had, or the run did not complete. A verdict always names the
+profile it rests on: a smoke run is a certification *at smoke*.
+
+Required parts: ``suite``, ``scenarios`` and ``matrix`` for every backend; ``kills``
+when it claims ``survives_crash`` (a claim only a real process death can test). A backend
+that claims nothing is certified on the three in-process parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .results import Result
+
+CERTIFIED = "certified"
+PARTIAL = "partial"
+NOT_CERTIFIED = "not certified"
+
+ALWAYS = ("suite", "scenarios", "matrix")
+"""The parts every backend must pass."""
+
+BY_CLAIM: dict[str, tuple[str, ...]] = {"survives_crash": ("kills",)}
+"""The parts a claim adds."""
+
+
+def required_parts(claims: Mapping[str, bool] | None) -> tuple[str, ...]:
+    """The parts a backend making ``claims`` must pass (None: claims unknown — only the
+    parts every backend needs)."""
+    parts = list(ALWAYS)
+    for claim, more in BY_CLAIM.items():
+        if claims and claims.get(claim):
+            parts.extend(p for p in more if p not in parts)
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A backend's verdict (see the module docstring)."""
+
+    status: str
+    profile: str
+    reasons: tuple[str, ...] = ()
+    """Why it is not certified: what broke, what is missing."""
+    missing: tuple[str, ...] = ()
+    """Required parts that did not run."""
+    required: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """``certified at profile smoke (suite, scenarios, matrix, kills)`` ..."""
+        head = f"{self.status} at profile {self.profile}"
+        if self.status == CERTIFIED:
+            return f"{head} ({', '.join(self.required)})"
+        return f"{head}: {'; '.join(self.reasons)}"
+
+
+def judge(rows: Iterable[Result], claims: Mapping[str, bool] | None, *, profile: str,
+          service_skip: str | None = None, interrupted: str | None = None,
+          why_not_run: Mapping[str, str] | None = None) -> Verdict:
+    """The verdict on one backend from its items' results. ``why_not_run`` may say why a
+    part has no item (``"not selected with --botmesh-parts"`` ...)."""
+    rows = list(rows)
+    required = required_parts(claims)
+    reasons: list[str] = []
+    if service_skip:
+        reasons.append(f"service skipped: {service_skip}")
+    failed = [r for r in rows if r.outcome == "failed"]
+    if failed:
+        ids = sorted({i for r in failed for i in r.violated})
+        reasons.append(f"{len(failed)} item(s) failed" + (f", breaking {', '.join(ids)}" if ids else ""))
+    if interrupted:
+        reasons.append(interrupted)
+    if reasons:
+        return Verdict(NOT_CERTIFIED, profile, tuple(reasons), (), required)
+    if not any(r.outcome == "passed" for r in rows):
+        return Verdict(NOT_CERTIFIED, profile, ("no item ran",), required, required)
+    missing: list[str] = []
+    for part in required:
+        mine = [r for r in rows if r.part == part]
+        if any(r.outcome == "passed" for r in mine):
+            continue
+        missing.append(part)
+        if mine:
+            why = f"every item skipped ({len(mine)})"
+        else:
+            why = (why_not_run or {}).get(part, "no item ran")
+        reasons.append(f"{part} did not run ({why})")
+    if missing:
+        return Verdict(PARTIAL, profile, tuple(reasons), tuple(missing), required)
+    return Verdict(CERTIFIED, profile, (), (), required)
+
+
+def overall(verdicts: Iterable[Verdict]) -> str:
+    """The run's verdict: certified when every backend is, not certified when any is not,
+    else partial (none when no backend ran)."""
+    statuses = [v.status for v in verdicts]
+    if not statuses or NOT_CERTIFIED in statuses:
+        return NOT_CERTIFIED
+    return CERTIFIED if all(s == CERTIFIED for s in statuses) else PARTIAL
