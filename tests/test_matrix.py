@@ -4,6 +4,7 @@ violated ids on a broken one, deterministic for a seed."""
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -15,7 +16,7 @@ import pytest
 from botmesh.core.spi import KvDurability
 from botmesh_testkit.cli import main
 from botmesh_testkit.checker import order_violations
-from botmesh_testkit.matrix import Cell, cells_for, run_matrix
+from botmesh_testkit.matrix import POLICIES, Cell, Oracle, cells_for, draw_cells, random_cells, run_matrix
 from botmesh_testkit.matrix.profiles import ProfileError, load_profile
 from botmesh_testkit.matrix.workloads import WORKLOADS
 from conftest import collected_parts, shipped_scenario_files
@@ -157,6 +158,20 @@ def test_one_seed_draws_the_same_cells_through_every_entry_point(tmp_path: Path,
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stdout + bench.stderr
     assert _random_ids(bench.stdout.splitlines()) == via_api
+
+
+@spec("TEST-4")
+def test_random_cells_are_distinct_for_every_seed() -> None:
+    """Item ids must be unique (a duplicate made ``--botmesh-cell`` run one of two, and a
+    JUnit file lose a name): over many seeds, no two random cells of a workload are equal,
+    and a short history gives as many as it has, not repeats."""
+    history = ["inbox.journal", "outbox.journal", "provider.send", "outbox.mark_sent", "inbox.complete"]
+    for seed in range(300):
+        cells = draw_cells("m", "one-send", Oracle([], {}, 0, history, set()), POLICIES, 25, seed)
+        assert len({c.id for c in cells}) == len(cells), seed
+        assert len([c for c in cells if c.point == "*"]) == 2 * 2 * len(history)  # the whole room: 20 < 25
+    few = random_cells("m", "one-send", history[:1], 9, random.Random(1))
+    assert sorted(c.id for c in few) == sorted({c.id for c in few}) and len(few) == 4
 
 
 def test_cells_cover_every_point_both_ways() -> None:

@@ -205,3 +205,18 @@ def test_the_rerun_command_of_a_crash_point_item_selects_it(pytester: pytest.Pyt
     one = pytester.runpytest_subprocess(*RUN, "--botmesh-scenarios=stories",
                                         "-k", "a_reminder_is_never_sent_twice[sqlite-skip-after:outbox.mark_sent:1]")
     one.assert_outcomes(passed=1)
+
+
+@pytest.mark.spec("TEST-4")
+def test_random_scenario_deaths_are_distinct_for_every_seed() -> None:
+    """Item names of ``crash="random"`` scenarios stay unique: no death drawn twice, and
+    a short story gives as many as it has."""
+    from botmesh_testkit.scenario.api import ScenarioSpec, crash_points_of
+
+    async def story(s: object) -> None:
+        return None
+
+    spec = ScenarioSpec(fn=story, ids=("OUT-10",), policies=None, requires=(), timeout=1.0, crash="random", count=10)
+    for seed in range(300):
+        labels = [p.label for p in crash_points_of(spec, ["inbox.journal", "outbox.journal"], set(), seed)]
+        assert len(labels) == len(set(labels)) == 4, (seed, labels)

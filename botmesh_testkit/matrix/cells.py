@@ -142,14 +142,19 @@ def cells_for(
 
 
 def random_cells(backend: str, workload: str, history: list[str], count: int, rng: random.Random) -> list[Cell]:
-    """``count`` cells crashing at the n-th point passed, n and the moment drawn from
-    ``rng``."""
+    """``count`` distinct cells crashing at the n-th point passed, n, the moment and the
+    policy drawn from ``rng`` (a draw equal to an earlier one is drawn again, so item ids
+    stay unique; fewer when the history has fewer distinct cells)."""
     if not history:
         return []
-    return [
-        Cell(backend, workload, rng.choice(POLICIES), rng.choice(("before", "after")), "*", rng.randint(1, len(history)))
-        for _ in range(count)
-    ]
+    room = len(POLICIES) * 2 * len(history)
+    cells: list[Cell] = []
+    while len(cells) < min(count, room):
+        cell = Cell(backend, workload, rng.choice(POLICIES), rng.choice(("before", "after")), "*",
+                    rng.randint(1, len(history)))
+        if cell not in cells:
+            cells.append(cell)
+    return cells
 
 
 def cell_rng(seed: int, backend: str, workload: str) -> random.Random:

@@ -166,8 +166,12 @@ def crash_points_of(spec: ScenarioSpec, passed: list[str], raised: set[tuple[str
 
     if spec.crash == "random":
         rng = random.Random(f"{spec.seed if spec.seed is not None else seed}/{spec.name}")
-        return [CrashPoint(rng.choice(("before", "after")), "*", rng.randint(1, len(passed)))
-                for _ in range(spec.count)] if passed else []
+        drawn: list[CrashPoint] = []
+        while passed and len(drawn) < min(spec.count, 2 * len(passed)):  # distinct: item names stay unique
+            point = CrashPoint(rng.choice(("before", "after")), "*", rng.randint(1, len(passed)))
+            if point not in drawn:
+                drawn.append(point)
+        return drawn
     seen: dict[str, int] = {}
     points: list[CrashPoint] = []
     for op in passed:
