@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from ..backends import BackendHarness, resolve
+from ..backends.base import BackendHarness
+from ..backends.registry import resolve
 from .durability import DurabilityConformance
 from .faults import ServerFaultConformance
 from .kv import DurableKvConformance, KvFactory

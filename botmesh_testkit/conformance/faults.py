@@ -43,13 +43,12 @@ import pytest
 from botmesh.core.backend import DurabilityBackend
 from botmesh.core.errors import BackendUnavailableError
 
-from ..backends import BackendHarness
+from ..backends.base import BackendHarness
 from ..servers.faultproxy import FaultProxy
-from .durability import INC_1, LEASE_MS, OWNER_A, T0, inbound, outbound
+from .durability.base import INC_1, LEASE_MS, OWNER_A, T0, HarnessFactory
+from .durability.records import inbound, outbound
 
 __all__ = ["ServerFaultConformance"]
-
-HarnessFactory = Callable[[str], BackendHarness]
 
 
 class _Skip(Exception):
