@@ -1,6 +1,6 @@
-"""Tests of ``botmesh_testkit.services``: private PostgreSQL and Redis servers (started
+"""Tests of ``botmesh_testkit.servers``: private PostgreSQL and Redis servers (started
 from the local binaries, killed with SIGKILL and restarted on the same directory) and
-the provisioning order the plugin follows (issue 4).
+the provisioning order the plugin follows.
 
 Spec ids: BACK-2 / BACK-3 (the backends these servers serve; the backend table's
 "survives a crash" column for PostgreSQL and for Redis with AOF ``always``), TEST-3
@@ -29,6 +29,8 @@ import psycopg
 import pytest
 import redis
 
+import botmesh_testkit.servers.postgres as servers_postgres
+import botmesh_testkit.servers.process as servers_process
 from botmesh_testkit import servers as services
 from botmesh_testkit.servers import (
     POSTGRES_URL_ENV,
@@ -96,7 +98,7 @@ def hidden_binaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.setattr(services, "POSTGRES_BIN_GLOBS", [])
+    monkeypatch.setattr(servers_postgres, "POSTGRES_BIN_GLOBS", [])  # where find_postgres_bindir reads it
     monkeypatch.setitem(sys.modules, "testcontainers", None)  # makes the import fail
     monkeypatch.delenv(POSTGRES_URL_ENV, raising=False)
     monkeypatch.delenv(REDIS_URL_ENV, raising=False)
@@ -239,8 +241,9 @@ def test_a_free_port_taken_by_another_server_is_replaced(
     *our* process (the other server answering PING on that port does not count)."""
     taken = private_redis.port
     ports = iter([taken])
-    real_free_port = services.free_port
-    monkeypatch.setattr(services, "free_port", lambda host="127.0.0.1": next(ports, None) or real_free_port(host))
+    real_free_port = servers_process.free_port
+    # patched where ChildServer calls it
+    monkeypatch.setattr(servers_process, "free_port", lambda host="127.0.0.1": next(ports, None) or real_free_port(host))
     with PrivateRedis() as server:
         assert server.port != taken
         assert "Address already in use" in server.logfile.read_text()

@@ -4,7 +4,7 @@ The proxy listens on a local port and forwards every connection to the target se
 Faults are switched on and off at runtime and apply to the connections already open as
 well as to new ones::
 
-    from botmesh_testkit.faultproxy import FaultProxy
+    from botmesh_testkit.servers.faultproxy import FaultProxy
 
     async with FaultProxy("127.0.0.1", 6379) as proxy:
         client = redis.asyncio.Redis.from_url(proxy.url_for("redis://127.0.0.1:6379/0"))
