@@ -118,21 +118,20 @@ def prepare_backend(name: str, cleanups: list[Callable[[], Any]]) -> str | None:
         return f"resolve({name!r}) failed: {one_line(exc)}"
     if name not in SERVICE_BACKENDS:
         return None
+    from botmesh_testkit import servers
+
     try:
-        from botmesh_testkit import servers as services
-    except Exception as exc:
-        return f"botmesh_testkit.services does not import: {one_line(exc)}"
-    env = getattr(services, "ENV", {}).get(name) or f"BOTMESH_{name.upper()}_URL"
-    try:
-        provision = getattr(services, "provision", None)
-        if provision is not None:
-            found = provision(name, url=os.environ.get(env))
+        if name == "postgres":
+            pg = servers.provision_postgres(os.environ.get(servers.POSTGRES_URL_ENV))
+            cleanups.append(pg.close)
+            os.environ[servers.POSTGRES_URL_ENV] = pg.new_database(servers.namespace_hint("bench"))
         else:
-            found = getattr(services, f"provision_{name}")(os.environ.get(env))
+            rd = servers.provision_redis(os.environ.get(servers.REDIS_URL_ENV))
+            cleanups.append(rd.close)
+            os.environ[servers.REDIS_URL_ENV] = rd.url
+            os.environ[servers.REDIS_PREFIX_ENV] = rd.new_prefix(servers.namespace_hint("bench"))
     except Exception as exc:
         return f"no {name} server: {one_line(exc)}"
-    cleanups.append(found.close)
-    os.environ[env] = found.url
     return None
 
 
