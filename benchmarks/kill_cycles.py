@@ -37,15 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
 
-from botmesh_testkit.kill import KillLoop, KillResult, Replicas, replies
-
-
-def _spec(backend: str, workdir: str) -> tuple[Any, ...]:
-    if backend == "sqlite":
-        return ("sqlite", os.path.join(workdir, "bot.db"))
-    return ("file", os.path.join(workdir, "journal.json"), backend == "file+log")
+from botmesh_testkit.kill import KillLoop, KillResult, Replicas, replies, spec_for
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -62,7 +55,7 @@ def baseline(backend: str, workdir: str, start_method: str, repeat: int) -> dict
     for i in range(repeat):
         sub = os.path.join(workdir, f"fresh-{i}")
         os.makedirs(sub)
-        with Replicas(_spec(backend, sub), replies(1), workdir=sub, start_method=start_method) as r:
+        with Replicas(spec_for(backend, sub), replies(1), workdir=sub, start_method=start_method) as r:
             inc = r.start("bot")
             r.wait_recovered("bot")
             ready.append(1000 * (inc.ready_at - inc.started))
@@ -75,7 +68,7 @@ def clean_restart(backend: str, loop_dir: str, start_method: str, repeat: int) -
     """Stop and start again on the journal the kill loop left (no kill)."""
     ready: list[float] = []
     swept: list[float] = []
-    spec = _spec(backend, loop_dir)
+    spec = spec_for(backend, loop_dir)
     for i in range(repeat):
         sub = os.path.join(loop_dir, f"restart-{i}")
         os.makedirs(sub)
@@ -114,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.makedirs(work)
                 base = baseline(backend, os.path.join(work, "baseline"), method, args.repeat)
                 loop_dir = os.path.join(work, "loop")
-                loop = KillLoop(_spec(backend, loop_dir), replies(2), messages=2 * args.kills, kills=args.kills,
+                loop = KillLoop(spec_for(backend, loop_dir), replies(2), messages=2 * args.kills, kills=args.kills,
                                 seed=args.seed, workdir=loop_dir, start_method=method)
                 result = loop.run()
                 restart = clean_restart(backend, loop_dir, method, args.repeat)

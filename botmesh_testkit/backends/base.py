@@ -13,8 +13,8 @@ from __future__ import annotations
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import fields
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities, DurableKv
@@ -23,6 +23,104 @@ from botmesh.core.store import Store
 CAPABILITIES: tuple[str, ...] = tuple(f.name for f in fields(Capabilities))
 """The names of the capabilities a backend can claim (``survives_crash`` ...), from
 :class:`~botmesh.core.spi.Capabilities`."""
+
+
+@dataclass(frozen=True)
+class KillSpec:
+    """How a child process of :mod:`botmesh_testkit.kill` reaches a backend's storage:
+    a small, picklable description (it is pickled into each child, which builds the
+    backend from it). One subclass per kind: :class:`FileSpec`, :class:`SQLiteSpec`,
+    :class:`PostgresSpec`, :class:`RedisSpec`, :class:`MemorySpec`, :class:`FactorySpec`.
+    A harness gives the one of its storage (:meth:`BackendHarness.kill_spec`)."""
+
+    kind: ClassVar[str] = ""
+    """The kind's name, also the first element of the tuple form (:meth:`as_tuple`)."""
+
+    @property
+    def name(self) -> str:
+        """A short name for reports: ``file+log``, ``sqlite``, ``factory:pkg.mod:make`` ..."""
+        return self.kind
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        """The tuple form the kill entry points also accept (``("sqlite", path)`` ...)."""
+        return (self.kind, *(getattr(self, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class FileSpec(KillSpec):
+    """:class:`~botmesh.core.file_backend.FileDurability` on the journal at ``path``."""
+
+    path: str
+    append_log: bool = False
+    fsync: bool = True
+    kind: ClassVar[str] = "file"
+
+    @property
+    def name(self) -> str:
+        return "file+log" if self.append_log else "file"
+
+
+@dataclass(frozen=True)
+class SQLiteSpec(KillSpec):
+    """``SQLiteStore(file=path)`` and its durability backend."""
+
+    path: str
+    kind: ClassVar[str] = "sqlite"
+
+
+@dataclass(frozen=True)
+class PostgresSpec(KillSpec):
+    """:class:`~botmesh.postgres_store.PostgresDurability` on the server at ``url``, in
+    the table ``<table_prefix>durable``."""
+
+    url: str
+    table_prefix: str = "botmesh_"
+    kind: ClassVar[str] = "postgres"
+
+
+@dataclass(frozen=True)
+class RedisSpec(KillSpec):
+    """:class:`~botmesh.redis_store.RedisDurability` on the server at ``url``, under the
+    key prefix ``prefix``."""
+
+    url: str
+    prefix: str = "botmesh"
+    kind: ClassVar[str] = "redis"
+
+
+@dataclass(frozen=True)
+class MemorySpec(KillSpec):
+    """``MemoryDurability``: each child has its own, so nothing survives a kill."""
+
+    kind: ClassVar[str] = "memory"
+
+
+@dataclass(frozen=True)
+class FactorySpec(KillSpec):
+    """A third party's backend: ``target(*args)``, ``target`` a ``"pkg.module:function"``
+    path or a callable (pickled into the child with dill), returning a
+    ``DurabilityBackend``, a ``DurableKv`` or a ``botmesh_testkit.kill.Built`` (awaited
+    when it returns an awaitable)."""
+
+    target: str | Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kind: ClassVar[str] = "factory"
+
+    @property
+    def name(self) -> str:
+        return f"factory:{callable_name(self.target)}"
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        return (self.kind, self.target, *self.args)
+
+
+def callable_name(fn: Any) -> str:
+    """``module:qualname`` of a function or class (a string is itself), else its repr."""
+    if isinstance(fn, str):
+        return fn
+    name = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    return f"{module}:{name}" if name and module else repr(fn)
 
 
 class BackendHarness(ABC):
@@ -50,7 +148,7 @@ class BackendHarness(ABC):
 
     def server_address(self) -> tuple[str, int] | None:
         """``(host, port)`` of the server holding the storage, for backends on a server
-        (the fault suite puts a :class:`~botmesh_testkit.faultproxy.FaultProxy` in
+        (the fault suite puts a :class:`~botmesh_testkit.servers.faultproxy.FaultProxy` in
         front of it); None for local storage."""
         return None
 
@@ -59,10 +157,9 @@ class BackendHarness(ABC):
         ``host:port`` (a proxy) instead. Only for harnesses with a server address."""
         raise NotImplementedError(f"{type(self).__name__} has no server to reach another way")
 
-    def kill_spec(self) -> tuple[Any, ...] | None:
-        """The same storage described for a child process of
-        :mod:`botmesh_testkit.kill` (``("sqlite", path)`` ...), or None when a child
-        cannot reach it (in-memory storage)."""
+    def kill_spec(self) -> KillSpec | None:
+        """The same storage described for a child process of :mod:`botmesh_testkit.kill`,
+        or None when a child cannot reach it (in-memory storage)."""
         return None
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:

@@ -10,7 +10,7 @@ from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities, DurableKv, KvDurability
 from botmesh.core.store import MemoryStore, Store
 
-from .base import BackendHarness, HarnessFactory
+from .base import BackendHarness, FactorySpec, HarnessFactory, KillSpec
 
 
 class FactoryHarness(BackendHarness):
@@ -72,9 +72,9 @@ class FactoryHarness(BackendHarness):
             abandon()
         return await self._make(), self.store
 
-    def kill_spec(self) -> tuple[Any, ...] | None:
+    def kill_spec(self) -> KillSpec | None:
         target: Any = self.name if ":" in self.name else self.factory  # a registered name: the callable
-        return ("factory", target, self.workdir) if self._takes_workdir() else ("factory", target)
+        return FactorySpec(target, (self.workdir,) if self._takes_workdir() else ())
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         if inspect.iscoroutinefunction(self.factory):

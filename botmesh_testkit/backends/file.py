@@ -10,7 +10,7 @@ from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import MemoryStore, Store
 
-from .base import BackendHarness
+from .base import BackendHarness, FileSpec, KillSpec
 
 
 class FileHarness(BackendHarness):
@@ -49,8 +49,8 @@ class FileHarness(BackendHarness):
             await self.backend.close()
             self.backend = None
 
-    def kill_spec(self) -> tuple[Any, ...] | None:
-        return ("file", self.path, self.append_log, self.fsync)
+    def kill_spec(self) -> KillSpec | None:
+        return FileSpec(self.path, self.append_log, self.fsync)
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         from botmesh.core.file_backend import FileKv

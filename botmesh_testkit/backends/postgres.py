@@ -35,7 +35,7 @@ from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import MemoryStore, Store
 
-from .base import BackendHarness
+from .base import BackendHarness, KillSpec, PostgresSpec
 
 DEFAULT_PORT = 5432
 
@@ -94,8 +94,8 @@ class PostgresHarness(BackendHarness):
         twin.table_prefix = self.table_prefix
         return twin
 
-    def kill_spec(self) -> tuple[Any, ...] | None:
-        return ("postgres", self.url, self.table_prefix)
+    def kill_spec(self) -> KillSpec | None:
+        return PostgresSpec(self.url, self.table_prefix)
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         """New, unopened :class:`~botmesh.postgres_store.PostgresKv` instances on this
@@ -155,7 +155,7 @@ def provisioned(workdir: str | None = None) -> PostgresHarness:
     """The harness of the built-in backend name ``postgres``: a table per workdir on the
     server of ``$BOTMESH_POSTGRES_URL``, which the pytest plugin sets to a database of its
     own on the server it provisioned (``--botmesh-postgres-url``, the environment, or a
-    private server; :mod:`botmesh_testkit.services`)."""
+    private server; :mod:`botmesh_testkit.servers`)."""
     from ..servers import POSTGRES_URL_ENV
 
     url = os.environ.get(POSTGRES_URL_ENV)

@@ -37,7 +37,7 @@ from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities
 from botmesh.core.store import MemoryStore, Store
 
-from .base import BackendHarness
+from .base import BackendHarness, KillSpec, RedisSpec
 
 DEFAULT_PORT = 6379
 
@@ -108,8 +108,8 @@ class RedisHarness(BackendHarness):
         twin.prefix = self.prefix
         return twin
 
-    def kill_spec(self) -> tuple[Any, ...] | None:
-        return ("redis", self.url, self.prefix)
+    def kill_spec(self) -> KillSpec | None:
+        return RedisSpec(self.url, self.prefix)
 
     def kv_factory(self) -> Any:
         from botmesh.redis_store import RedisKv
@@ -151,7 +151,7 @@ class RedisHarness(BackendHarness):
 def provisioned(workdir: str | None = None) -> RedisHarness:
     """The harness of the built-in backend name ``redis``: a prefix per workdir, under the
     run's own prefix, on the server the pytest plugin provisioned
-    (``$BOTMESH_REDIS_URL`` and ``$BOTMESH_REDIS_PREFIX``; :mod:`botmesh_testkit.services`)."""
+    (``$BOTMESH_REDIS_URL`` and ``$BOTMESH_REDIS_PREFIX``; :mod:`botmesh_testkit.servers`)."""
     from ..servers import REDIS_PREFIX_ENV, REDIS_URL_ENV
 
     url = os.environ.get(REDIS_URL_ENV)

@@ -10,7 +10,7 @@ from botmesh.core.backend import DurabilityBackend
 from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import Store
 
-from .base import BackendHarness
+from .base import BackendHarness, KillSpec, SQLiteSpec
 
 
 class SQLiteHarness(BackendHarness):
@@ -50,8 +50,8 @@ class SQLiteHarness(BackendHarness):
         self.stores.clear()
         self.backends = []
 
-    def kill_spec(self) -> tuple[Any, ...] | None:
-        return ("sqlite", self.path)
+    def kill_spec(self) -> KillSpec | None:
+        return SQLiteSpec(self.path)
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         from botmesh.sqlite_store import SQLiteKv

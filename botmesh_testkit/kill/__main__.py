@@ -1,5 +1,5 @@
 """``python -m botmesh_testkit.kill``: one kill loop from a shell (see
-:func:`botmesh_testkit.kill.main`)."""
+:func:`botmesh_testkit.kill.cli.main`)."""
 
 import sys
 

@@ -20,6 +20,11 @@ BUILTIN_PACKAGE = "botmesh_testkit.matrices"
 """The built-in profiles: the top-level ``matrices/`` folder of the source tree, shipped
 as this package's data (read through :mod:`importlib.resources`)."""
 
+KILL_MESSAGES = 20
+"""Messages of a kill loop unless told otherwise: a profile's ``kill_messages``, the
+``messages`` of :class:`~botmesh_testkit.kill.KillLoop` and the kill command line's
+``--messages``."""
+
 KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages")
 """Every key a profile file may have (``matrices/README.md`` says what each means)."""
 
@@ -44,7 +49,7 @@ class Profile:
     random_per_workload: int
     kills: int = 0
     """Real SIGKILLs per kill loop (one loop per backend and policy; 0: no kill loops)."""
-    kill_messages: int = 40
+    kill_messages: int = KILL_MESSAGES
 
 
 def builtin_names() -> list[str]:
@@ -85,7 +90,7 @@ def load_profile(name_or_path: str) -> Profile:
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ProfileError(f"{path}: random_per_workload must be an integer >= 0, got {count!r}")
     counts = {}
-    for key, default in (("kills", 0), ("kill_messages", 40)):
+    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES)):
         value = data.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ProfileError(f"{path}: {key} must be an integer >= 0, got {value!r}")
