@@ -88,7 +88,8 @@ from .errors import (
     VersionConflict,
 )
 from .fileio import FileIO, default_io
-from .spi import Capabilities, DurableKv, IndexName, KvDurability, Versioned, check_index, check_json_object
+from .kv_durability import KvDurability
+from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
 __all__ = ["SNAPSHOT_FORMAT", "FileDurability", "FileKv"]
 
@@ -371,7 +372,7 @@ def _parse_pid(text: str | None) -> int | None:
 
 class FileKv(DurableKv):
     """A :class:`~botmesh.core.spi.DurableKv` kept in memory and persisted to files
-    (module docstring). It behaves exactly like :class:`~botmesh.core.spi.MemoryKv`
+    (module docstring). It behaves exactly like :class:`~botmesh.core.memory.MemoryKv`
     and survives a crash of the process; it serves one process only.
 
     Options (each validated, a bad one raises :class:`~botmesh.core.errors.ConfigError`
