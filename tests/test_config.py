@@ -20,7 +20,8 @@ from botmesh.core import (
 )
 from botmesh.core.backend import READ_OPS, WRITE_OPS
 from botmesh.core.config import Backoff
-from botmesh.core.spi import KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
 from botmesh.core.testing import MockProvider
 
 from botmesh_testkit.crash import World

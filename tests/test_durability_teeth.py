@@ -1,8 +1,8 @@
 """The shipped durability-level conformance suite has teeth (BACK-7): bound to a
 durability backend with one defect, it fails, naming the violated requirement id.
 
-Each broken backend below is a :class:`~botmesh.core.spi.KvDurability` over a
-:class:`~botmesh.core.spi.MemoryKv` (or a broken kv) with one defect. What a third party
+Each broken backend below is a :class:`~botmesh.core.kv_durability.KvDurability` over a
+:class:`~botmesh.core.memory.MemoryKv` (or a broken kv) with one defect. What a third party
 would write goes into a fresh ``pytester`` directory — a module with their backends (the
 classes' source, copied from here) and one factory per backend, and a test module
 binding :class:`DurabilityConformance` to each in three lines through
@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 from botmesh.core.errors import VersionConflict
 from botmesh.core.records import InboxRecord, OutboxRecord
-from botmesh.core.spi import Capabilities, KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities
 
 pytest_plugins = ["pytester"]
 
@@ -310,7 +312,9 @@ from typing import Any
 
 from botmesh.core.errors import VersionConflict
 from botmesh.core.records import InboxRecord, OutboxRecord
-from botmesh.core.spi import Capabilities, KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities
 '''
 
 _GOOD_FACTORY = '''

@@ -46,7 +46,9 @@ from botmesh.core.errors import (
 from botmesh.core.file_backend import FileDurability, FileKv
 from botmesh.core.fileio import FileIO, default_io
 from botmesh.core.records import InboxRecord
-from botmesh.core.spi import Capabilities, DurableKv, KvDurability, MemoryKv, Versioned
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities, DurableKv, Versioned
 
 T = TypeVar("T")
 S = "scope-a"

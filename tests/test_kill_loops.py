@@ -29,7 +29,7 @@ import pytest
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.file_backend import FileKv
 from botmesh.core.records import InboxRecord, OutboxRecord
-from botmesh.core.spi import KvDurability
+from botmesh.core.kv_durability import KvDurability
 from botmesh.sqlite_store import SQLiteKv
 from botmesh_testkit import kill
 from botmesh_testkit import servers as services

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from botmesh.core.file_backend import FileKv
-from botmesh.core.spi import MemoryKv
+from botmesh.core.memory import MemoryKv
 from botmesh.sqlite_store import SQLiteKv
 
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory

@@ -2,7 +2,7 @@
 deliberate bug, it fails, and its output names the spec id and the contract sentence
 that was broken.
 
-Each broken kv below is a :class:`~botmesh.core.spi.MemoryKv` with one defect. Each
+Each broken kv below is a :class:`~botmesh.core.memory.MemoryKv` with one defect. Each
 test writes, into a fresh ``pytester`` directory, what a third party would write — a
 module with their kv (the class's source, copied from here) and a test module binding
 :class:`DurableKvConformance` to it in three lines — and runs pytest on it in a
@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 from botmesh.core.errors import VersionConflict
-from botmesh.core.spi import Capabilities, MemoryKv, Versioned, check_json_object
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities, Versioned, check_json_object
 
 pytest_plugins = ["pytester"]
 
@@ -174,7 +175,8 @@ import asyncio
 from typing import Any
 
 from botmesh.core.errors import VersionConflict
-from botmesh.core.spi import Capabilities, MemoryKv, Versioned, check_json_object
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities, Versioned, check_json_object
 '''
 
 

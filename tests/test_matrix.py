@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from botmesh.core.spi import KvDurability
+from botmesh.core.kv_durability import KvDurability
 from botmesh_testkit.cli import main
 from botmesh_testkit.checker import order_violations
 from botmesh_testkit.matrix import POLICIES, Cell, Oracle, cells_for, draw_cells, random_cells, run_matrix

@@ -10,7 +10,8 @@ from conftest import collected_parts, shipped_scenario_files
 pytest_plugins = ["pytester"]
 
 BROKEN_KV = '''
-from botmesh.core.spi import KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
 
 _STORES = {}   # one storage per working directory (per cell), shared by its incarnations
 
@@ -82,7 +83,7 @@ def test_bad_option_values_are_usage_errors(pytester: pytest.Pytester) -> None:
 
 
 HOOKED = '''
-from botmesh.core.spi import MemoryKv
+from botmesh.core.memory import MemoryKv
 
 from botmesh_testkit.backends import MemoryHarness
 
@@ -106,7 +107,7 @@ def test_backends_registered_by_hook_and_by_entry_point(pytester: pytest.Pyteste
     result.stdout.fnmatch_lines([f"*mine: scenarios {each} passed, 0 failed*", f"*mine-kv: scenarios {each} passed, 0 failed*"])
     # an installed distribution declaring the entry-point group botmesh_testkit.backends
     pytester.path.joinpath("conftest.py").unlink()
-    pytester.makepyfile(epbackend="from botmesh.core.spi import MemoryKv\n_S = {}\n"
+    pytester.makepyfile(epbackend="from botmesh.core.memory import MemoryKv\n_S = {}\n"
                                   "def make(workdir):\n    return _S.setdefault(workdir, MemoryKv())\n")
     info = pytester.mkdir("epbackend-1.0.dist-info")
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: epbackend\nVersion: 1.0\n")
@@ -120,7 +121,8 @@ def test_backends_registered_by_hook_and_by_entry_point(pytester: pytest.Pyteste
 HANGS = '''
 import asyncio
 
-from botmesh.core.spi import KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
 
 _S = {}
 

@@ -55,7 +55,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from botmesh.core import Bot, MemoryStore
 from botmesh.core.errors import BackendUnavailableError, ConfigError, VersionConflict
 from botmesh.core.records import InboxRecord
-from botmesh.core.spi import Capabilities, KvDurability, Versioned
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.spi import Capabilities, Versioned
 from botmesh.core.testing import MockProvider
 from botmesh.postgres_store import PostgresDurability, PostgresKv
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory

@@ -46,7 +46,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from botmesh.core.bot import Bot
 from botmesh.core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
-from botmesh.core.spi import Capabilities, KvDurability, Versioned
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.spi import Capabilities, Versioned
 from botmesh.core.store import MemoryStore
 from botmesh.core.testing import MockProvider
 from botmesh.redis_store import RedisDurability, RedisKv, client_retries, key_pattern, scope_keys

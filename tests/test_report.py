@@ -17,7 +17,8 @@ MEMORY = ("--botmesh-backend=memory", "--botmesh-parts=suite,scenarios,matrix", 
 """Every part the memory backend's claims require (it claims nothing: no kill loop)."""
 
 BROKEN = '''
-from botmesh.core.spi import KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
 
 _STORES = {}
 
@@ -208,7 +209,7 @@ def test_the_cli_passes_report_through(pytester: pytest.Pytester) -> None:
 
 
 GOOD_KV = '''
-from botmesh.core.spi import MemoryKv
+from botmesh.core.memory import MemoryKv
 
 _STORES = {}
 

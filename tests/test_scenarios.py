@@ -36,7 +36,8 @@ async def needs_a_durable_backend(s):
 '''
 
 BROKEN = '''
-from botmesh.core.spi import KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
 
 _STORES = {}
 
@@ -155,7 +156,8 @@ async def random_deaths(s):
 
 
 OVERWRITES = '''
-from botmesh.core.spi import KvDurability, MemoryKv
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
 
 _STORES = {}
 

@@ -29,7 +29,9 @@ from typing import Any, TypeVar
 import pytest
 from botmesh.core.errors import BackendUnavailableError, ConfigError, VersionConflict
 from botmesh.core.records import InboxRecord
-from botmesh.core.spi import Capabilities, DurableKv, KvDurability, MemoryKv, Versioned
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities, DurableKv, Versioned
 from botmesh.core.store import MemoryStore, Store
 from botmesh.sqlite_store import SQLiteDurability, SQLiteKv, SQLiteStore
 from hypothesis import HealthCheck, given, settings

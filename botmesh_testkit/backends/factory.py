@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from botmesh.core.backend import DurabilityBackend
-from botmesh.core.spi import Capabilities, DurableKv, KvDurability
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import MemoryStore, Store
 
 from .base import BackendHarness, FactorySpec, HarnessFactory, KillSpec

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from botmesh.core.backend import DurabilityBackend
-from botmesh.core.spi import DurableKv, MemoryDurability, MemoryKv
+from botmesh.core.memory import MemoryDurability, MemoryKv
+from botmesh.core.spi import DurableKv
 from botmesh.core.store import MemoryStore, Store
 
 from .base import BackendHarness

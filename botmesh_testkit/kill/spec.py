@@ -119,7 +119,9 @@ async def build_backend(spec: BackendSpec) -> Built:
     ``target(*args)`` (awaited when it returns an awaitable), which returns a
     ``DurabilityBackend``, a ``DurableKv`` (wrapped in ``KvDurability``) or a
     :class:`Built`. PostgreSQL and Redis are imported only when asked for."""
-    from botmesh.core.spi import DurableKv, KvDurability, MemoryDurability
+    from botmesh.core.kv_durability import KvDurability
+    from botmesh.core.memory import MemoryDurability
+    from botmesh.core.spi import DurableKv
     from botmesh.core.store import MemoryStore
 
     spec = as_kill_spec(spec)

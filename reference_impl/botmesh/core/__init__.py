@@ -17,7 +17,9 @@ from .errors import (
     VersionConflict,
 )
 from .flows import Flow
+from .kv_durability import KvDurability
 from .media import load_media_of
+from .memory import MemoryDurability, MemoryKv
 from .provider import (
     InboundEvent,
     MediaUnavailableError,
@@ -30,7 +32,7 @@ from .provider import (
     UnsupportedContentError,
 )
 from .records import InboxRecord, OutboxRecord
-from .spi import Capabilities, DurableKv, KvDurability, MemoryDurability, MemoryKv
+from .spi import Capabilities, DurableKv
 from .store import MemoryStore, Store
 
 

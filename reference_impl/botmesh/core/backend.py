@@ -1,5 +1,5 @@
 """The durability backend interface: the operations the engine performs on the two
-journals. :class:`botmesh.core.spi.KvDurability` implements it over any
+journals. :class:`botmesh.core.kv_durability.KvDurability` implements it over any
 :class:`~botmesh.core.spi.DurableKv`; a backend may also implement it directly.
 
 Every **write** operation is named (``"inbox.journal"``, ``"outbox.mark_sent"`` ...,

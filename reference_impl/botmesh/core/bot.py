@@ -20,7 +20,7 @@ from .config import parse_durability
 from .engine import DurabilityRuntime, SendResult
 from .errors import ConfigError
 from .flows import Flow
-from .media import ReplayedMedia
+from .host import ReplayedMedia
 from .provider import InboundEvent, Provider
 from .records import InboxRecord
 from .store import MemoryStore, Store
@@ -53,7 +53,8 @@ class UserView:
 
 
 class Context:
-    """What a handler receives for one inbound event."""
+    """What a handler receives for one inbound event (the
+    :class:`~botmesh.core.host.HandlerContext` of this bot)."""
 
     def __init__(self, bot: Bot, event: InboundEvent, record: InboxRecord | None, replayed_media: ReplayedMedia | None) -> None:
         self.bot = bot
@@ -65,9 +66,10 @@ class Context:
         self.replayed = record is not None and (record.attempts > 1 or bool(record.extra.get("replayed")))
         self.replayed_media = replayed_media
         self.user = UserView(bot.store, event.user_id or event.chat_id)
-        self._sends = 0
+        self.send_count = 0
+        """Sends keyed under the inbound record so far (OUT-3 rule 2; the engine counts)."""
         self._flow_checkpoint: dict[str, Any] | None = None
-        self._durability_failed: BaseException | None = None
+        self.durability_failed: BaseException | None = None
         """Set when the journal failed under a send of this handler: the inbound record
         is then retried with backoff, not completed (INB-2; INB-5's rules)."""
 
@@ -96,6 +98,11 @@ class Bot:
     with a ``MemoryStore`` and persistent flows). Give each replica running at the same
     time its own ``instance_id``: two live processes with the same id take each other's
     leases (LEASE-5, a misconfiguration).
+
+    A bot is the :class:`~botmesh.core.host.BotHost` of its durability engine: the
+    methods under "engine hooks" (``emit``, ``dispatch``, ``prepare``, ``run_handlers``,
+    ``run_before_send``, ``after_send``, ``forget_seen``) are what the engine calls;
+    applications do not need them.
     """
 
     def __init__(
@@ -135,7 +142,7 @@ class Bot:
         self._memory_flows: dict[str, dict[str, Any]] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_max = 10_000
-        self.durability: DurabilityRuntime | None = None
+        self.durability: DurabilityRuntime[Context] | None = None
         if durability is not _UNSET and durability is not None:
             self.durability = DurabilityRuntime(self, parse_durability(durability))
         self.running = False
@@ -248,8 +255,10 @@ class Bot:
         if self.durability is not None:
             await self.durability.abandon()
 
-    # -- events and hooks -------------------------------------------------------------------
-    async def _emit(self, event: str, payload: dict[str, Any]) -> None:
+    # -- engine hooks (BotHost): events and send hooks -------------------------------------
+    async def emit(self, event: str, payload: dict[str, Any]) -> None:
+        """Call the listeners of ``event``; with no ``error`` listener an error is
+        logged. A listener that raises is logged and never breaks processing."""
         if event == "error" and not self._listeners["error"]:
             log.error("botmesh error: %r", payload.get("error"))
         for fn in list(self._listeners[event]):
@@ -260,7 +269,9 @@ class Bot:
             except Exception:  # a listener never breaks processing
                 log.exception("listener of %s failed", event)
 
-    async def _run_before_send(self, chat_id: str, content: dict[str, Any]) -> dict[str, Any] | None:
+    async def run_before_send(self, chat_id: str, content: dict[str, Any]) -> dict[str, Any] | None:
+        """Run the ``before("send")`` hooks: the content to send, or None when a hook
+        cancelled the send."""
         for fn in self._before["send"]:
             result = fn(chat_id, content)
             if inspect.isawaitable(result):
@@ -271,7 +282,8 @@ class Bot:
                 content = result
         return content
 
-    async def _after_send(self, chat_id: str, content: dict[str, Any], message_id: str, key: str | None) -> None:
+    async def after_send(self, chat_id: str, content: dict[str, Any], message_id: str, key: str | None) -> None:
+        """Run the ``after("send")`` hooks and log the sent message in the store."""
         for fn in self._after["send"]:
             result = fn(chat_id, content, message_id)
             if inspect.isawaitable(result):
@@ -281,8 +293,10 @@ class Bot:
              "key": key, "at": self.clock.now()}
         )
 
-    # -- inbound ------------------------------------------------------------------------------
-    def _forget_seen(self, event_id: str) -> None:
+    # -- inbound (engine hooks: forget_seen, dispatch, prepare, run_handlers) -----------------
+    def forget_seen(self, event_id: str) -> None:
+        """Drop ``event_id`` from the in-memory dedupe of redeliveries (INB-8: an event
+        the journal could not record must be taken when redelivered)."""
         self._seen.pop(event_id, None)
 
     async def _receive(self, event: InboundEvent) -> bool:
@@ -297,19 +311,19 @@ class Bot:
             self._seen.popitem(last=False)
         if self.durability is not None:
             return await self.durability.admit(event)
-        await self._dispatch(event, None)
+        await self.dispatch(event, None)
         return True
 
-    async def _dispatch(self, event: InboundEvent, record: InboxRecord | None) -> None:
+    async def dispatch(self, event: InboundEvent, record: InboxRecord | None) -> None:
         """The plain path: prepare and run handlers; errors go to ``on("error")``."""
         try:
-            ctx = await self._prepare(event, record, None)
+            ctx = await self.prepare(event, record, None)
         except Exception as exc:
-            await self._emit("error", {"error": exc, "stage": "prepare", "id": event.id})
+            await self.emit("error", {"error": exc, "stage": "prepare", "id": event.id})
             return
-        await self._run_handlers(ctx)
+        await self.run_handlers(ctx)
 
-    async def _prepare(self, event: InboundEvent, record: InboxRecord | None, replayed_media: ReplayedMedia | None) -> Context:
+    async def prepare(self, event: InboundEvent, record: InboxRecord | None, replayed_media: ReplayedMedia | None) -> Context:
         """Work before the handlers: log the message and load the chat's flow
         checkpoint. A failure here is retried (INB-5)."""
         ctx = Context(self, event, record, replayed_media)
@@ -328,7 +342,7 @@ class Bot:
             return pattern.search(event.text) is not None
         return bool(pattern(event))
 
-    async def _run_handlers(self, ctx: Context) -> None:
+    async def run_handlers(self, ctx: Context) -> None:
         """Route to a waiting flow, else the first matching handler, else the catch-all.
         A handler that raises is reported and not retried (INB-6)."""
         try:
@@ -348,7 +362,7 @@ class Bot:
             else:
                 await target(ctx)
         except Exception as exc:
-            await self._emit("error", {"error": exc, "stage": "handler", "id": ctx.event.id, "chat_id": ctx.chat_id})
+            await self.emit("error", {"error": exc, "stage": "handler", "id": ctx.event.id, "chat_id": ctx.chat_id})
 
     async def _continue_flow(self, ctx: Context) -> bool:
         checkpoint = ctx._flow_checkpoint
@@ -385,11 +399,11 @@ class Bot:
             return await self.durability.send(chat_id, content, idempotency_key=idempotency_key, ctx=ctx)
         from . import content as contentlib
 
-        prepared = await self._run_before_send(chat_id, contentlib.normalize(content))
+        prepared = await self.run_before_send(chat_id, contentlib.normalize(content))
         if prepared is None:
             return SendResult(None, None, state="cancelled")
         message_id = str(await self.provider.send(chat_id, prepared))
-        await self._after_send(chat_id, prepared, message_id, None)
+        await self.after_send(chat_id, prepared, message_id, None)
         return SendResult(message_id, None, [message_id])
 
     async def send(self, chat_id: str, content: Any, *, idempotency_key: str | None = None) -> SendResult:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .backend import DurabilityBackend
 from .errors import ConfigError
+from .memory import MemoryDurability
 
 ON_AMBIGUOUS: tuple[str, ...] = ("skip", "resend")
 """The values of ``durability.outbox.on_ambiguous`` (OUT-14), the default first."""
@@ -141,8 +142,6 @@ def _backoff(value: Any, option: str, default: Backoff) -> Backoff:
 def parse_durability(value: Any) -> DurabilityConfig:
     """Validate the ``durability=`` setting of a bot. ``{}`` means a fresh
     ``MemoryDurability`` (ENABLE-2)."""
-    from .spi import MemoryDurability  # local: spi imports this package's backend module
-
     raw = _mapping(
         value,
         "durability",

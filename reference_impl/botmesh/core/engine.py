@@ -28,17 +28,15 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic
 
 from . import content as contentlib
 from .backend import DurabilityBackend
 from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
+from .host import BotHost, CtxT, HandlerContext
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
-
-if TYPE_CHECKING:
-    from .bot import Bot, Context
 
 log = logging.getLogger("botmesh.durability")
 
@@ -96,7 +94,7 @@ def derive_scope(tenant_id: str | None, environment_id: str | None, bot_id: str,
 class _Journal:
     """``bot.durability.inbox`` / ``.outbox``: the operator's view of one journal."""
 
-    def __init__(self, runtime: DurabilityRuntime, kind: str) -> None:
+    def __init__(self, runtime: DurabilityRuntime[Any], kind: str) -> None:
         self._rt = runtime
         self._kind = kind
 
@@ -119,10 +117,12 @@ class _Journal:
             return await self._rt.backend.outbox_discard(self._rt.scope, key)
 
 
-class DurabilityRuntime:
-    """``bot.durability``: the engine and its operator API (OPS-2)."""
+class DurabilityRuntime(Generic[CtxT]):
+    """``bot.durability``: the engine and its operator API (OPS-2). It drives its bot
+    through :class:`~botmesh.core.host.BotHost` only (the bot's context type
+    ``CtxT``)."""
 
-    def __init__(self, bot: Bot, config: DurabilityConfig) -> None:
+    def __init__(self, bot: BotHost[CtxT], config: DurabilityConfig) -> None:
         self.bot = bot
         self.config = config
         self.backend: DurabilityBackend = config.backend
@@ -283,10 +283,10 @@ class DurabilityRuntime:
                 )
                 stored, created = await self.backend.inbox_journal(self.scope, record)
             except Exception as exc:  # INB-8: fail closed
-                self.bot._forget_seen(event.id)
-                await self.bot._emit("error", {"error": exc, "stage": "inbox.journal", "id": event.id})
+                self.bot.forget_seen(event.id)
+                await self.bot.emit("error", {"error": exc, "stage": "inbox.journal", "id": event.id})
                 if self.config.fail_open:
-                    await self.bot._dispatch(event, None)
+                    await self.bot.dispatch(event, None)
                     return True
                 return False
             if not created:  # INB-4
@@ -316,13 +316,13 @@ class DurabilityRuntime:
                     )
                     replayed_media = rehydrate(self.bot.provider, ev.get("media"))  # MEDIA-2
                 try:
-                    ctx = await self.bot._prepare(live_event, record, replayed_media)
+                    ctx = await self.bot.prepare(live_event, record, replayed_media)
                 except Exception as exc:  # INB-5: failure before the handlers
                     await self._inbox_failed(record, exc)
                     return
-                await self.bot._run_handlers(ctx)  # INB-6: handler errors are reported there
-                if ctx._durability_failed is not None:  # INB-2: the handler's sends did not settle
-                    await self._inbox_failed(record, ctx._durability_failed)
+                await self.bot.run_handlers(ctx)  # INB-6: handler errors are reported there
+                if ctx.durability_failed is not None:  # INB-2: the handler's sends did not settle
+                    await self._inbox_failed(record, ctx.durability_failed)
                     return
                 ok = await b.inbox_complete(scope, record.id, token=record.token, now=self._now(), expires_at=self._expires())
                 if not ok:
@@ -347,7 +347,7 @@ class DurabilityRuntime:
 
     async def _dead(self, kind: str, id: str, error: BaseException | str) -> None:
         self._count("inbound_dead" if kind == "inbox" else "outbox_dead")
-        await self.bot._emit("durability:dead", {"kind": kind, "id": id, "error": error})
+        await self.bot.emit("durability:dead", {"kind": kind, "id": id, "error": error})
 
     # -- the sweep ----------------------------------------------------------------------
     async def _sweep_loop(self) -> None:
@@ -356,7 +356,7 @@ class DurabilityRuntime:
                 try:
                     await self.sweep()
                 except Exception as exc:
-                    await self.bot._emit("error", {"error": exc, "stage": "sweep"})
+                    await self.bot.emit("error", {"error": exc, "stage": "sweep"})
             await self.clock.sleep(self.config.poll_ms)
 
     async def sweep(self) -> None:
@@ -433,7 +433,7 @@ class DurabilityRuntime:
     async def _ambiguous(self, rec: OutboxRecord) -> bool:
         """Resolve a send found in flight under a dead lease. True: send it again."""
         self._count("outbox_ambiguous")
-        await self.bot._emit("durability:ambiguous", {"key": rec.key, "chat_id": rec.chat_id})
+        await self.bot.emit("durability:ambiguous", {"key": rec.key, "chat_id": rec.chat_id})
         if self.config.outbox.on_ambiguous == "resend":
             return True
         if not await self.backend.outbox_mark_unknown(self.scope, rec.key, token=rec.token, now=self._now()):
@@ -496,18 +496,18 @@ class DurabilityRuntime:
         return _Sent(str(message_id))
 
     async def _after_send(self, rec: OutboxRecord, message_id: str) -> None:
-        await self.bot._after_send(rec.chat_id, contentlib.decode(rec.content), message_id, rec.key)
+        await self.bot.after_send(rec.chat_id, contentlib.decode(rec.content), message_id, rec.key)
 
     # -- sends ----------------------------------------------------------------------------
-    def _key_for(self, ctx: Context | None, explicit: str | None) -> tuple[str, str]:
+    def _key_for(self, ctx: HandlerContext | None, explicit: str | None) -> tuple[str, str]:
         if explicit is not None:
             return explicit, "explicit"  # OUT-3 rule 1 (per bot: the scope isolates it, OUT-4)
         if ctx is not None and ctx.record_id is not None:
-            ctx._sends += 1
-            return f"{ctx.record_id}:{ctx._sends}", "derived"  # rule 2
+            ctx.send_count += 1
+            return f"{ctx.record_id}:{ctx.send_count}", "derived"  # rule 2
         return f"rnd:{uuid.uuid4().hex}", "random"  # rule 3
 
-    async def send(self, chat_id: str, content: Any, *, idempotency_key: str | None, ctx: Context | None) -> SendResult:
+    async def send(self, chat_id: str, content: Any, *, idempotency_key: str | None, ctx: HandlerContext | None) -> SendResult:
         """``ctx.reply``/``bot.send`` with durability (OUT-1..OUT-15)."""
         with self.clock.busy():
             content = contentlib.normalize(content)
@@ -532,11 +532,11 @@ class DurabilityRuntime:
                     # its effects had settled (INB-2): it is retried, and the replay is
                     # answered from the outbox for every send already recorded.
                     if ctx is not None:
-                        ctx._durability_failed = exc
+                        ctx.durability_failed = exc
                     raise
 
     async def _record_send(
-        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: Context | None
+        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None
     ) -> SendResult | tuple[OutboxRecord, bool]:
         """Find or journal the outbox record of a send (OUT-1, OUT-2, OUT-5): the record
         and whether it existed, or the result when nothing is to be sent now."""
@@ -552,7 +552,7 @@ class DurabilityRuntime:
                 existing = await self.backend.outbox_get(self.scope, key)
         if existing is not None:
             return existing, True
-        prepared = await self.bot._run_before_send(chat_id, content)
+        prepared = await self.bot.run_before_send(chat_id, content)
         if prepared is None:
             return SendResult(None, key, state="cancelled")
         encoded = await self._encode_or_bypass(chat_id, prepared)
@@ -567,7 +567,7 @@ class DurabilityRuntime:
         return rec, False
 
     async def _journal_new(
-        self, key: str, rule: str, chat_id: str, encoded: dict[str, Any], fp: str, ctx: Context | None, *, origin: str
+        self, key: str, rule: str, chat_id: str, encoded: dict[str, Any], fp: str, ctx: HandlerContext | None, *, origin: str
     ) -> OutboxRecord:
         """Journal a new send (OUT-1): one record in state ``sending`` (inline, fits the
         channel) or ``pending``; a text over the limit is split into parts first
@@ -676,12 +676,12 @@ class DurabilityRuntime:
         self._count("outbox_bypassed")
         log.warning("send to %r bypasses the outbox: %s", chat_id, why)
         if not hooks_done:
-            prepared = await self.bot._run_before_send(chat_id, content)
+            prepared = await self.bot.run_before_send(chat_id, content)
             if prepared is None:
                 return SendResult(None, None, state="cancelled")
             content = prepared
         message_id = str(await self.bot.provider.send(chat_id, content))
-        await self.bot._after_send(chat_id, content, message_id, None)
+        await self.bot.after_send(chat_id, content, message_id, None)
         return SendResult(message_id, None, [message_id])
 
     async def enqueue(self, chat_id: str, content: Any, *, idempotency_key: str | None) -> dict[str, str]:
@@ -697,7 +697,7 @@ class DurabilityRuntime:
             except contentlib.UnencodableContent as exc:
                 await self._bypass(chat_id, content, str(exc))
                 return {"key": key}
-            prepared = await self.bot._run_before_send(chat_id, content)
+            prepared = await self.bot.run_before_send(chat_id, content)
             if prepared is None:
                 return {"key": key}
             encoded = await self._encode_or_bypass(chat_id, prepared)
@@ -711,7 +711,7 @@ class DurabilityRuntime:
         try:
             await self._deliver_key(key)
         except Exception as exc:  # the sweep will try again; report it
-            await self.bot._emit("error", {"error": exc, "stage": "enqueue", "key": key})
+            await self.bot.emit("error", {"error": exc, "stage": "enqueue", "key": key})
 
     async def _deliver_key(self, key: str) -> None:
         with self.clock.busy():

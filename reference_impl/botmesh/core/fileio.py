@@ -1,6 +1,6 @@
 """Every operating-system call of the file durability backend, in one place.
 
-:class:`botmesh.core.file_backend.FileKv` never calls ``open``/``os.*`` itself: it calls
+:class:`botmesh.core.file_kv.FileKv` never calls ``open``/``os.*`` itself: it calls
 the methods of a :class:`FileIO` object — :data:`default_io` unless the caller passes
 ``io=``. That makes this module the single seam where faults are injected (ARCHITECTURE
 "File backends touch the OS in one module"): a test or ``botmesh_testkit`` subclasses

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from .bot import Context
+from .host import HandlerContext
 
-StepFn = Callable[["Context", dict[str, Any]], Awaitable[Any]]
+_C = TypeVar("_C", bound=HandlerContext)
+StepFn = Callable[[_C, dict[str, Any]], Awaitable[Any]]
+"""A step of :meth:`Flow.then`: ``await fn(ctx, state)`` with the bot's context."""
 Question = str | Callable[[dict[str, Any]], str]
 
 
@@ -33,7 +34,9 @@ class _Ask:
 
 @dataclass(frozen=True)
 class _Then:
-    fn: StepFn
+    # Stored without its context type: the bot runs every step with its own Context,
+    # the type the step was registered with (checked by then()).
+    fn: Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
 
 class Flow:
@@ -60,7 +63,7 @@ class Flow:
         self.steps.append(_Ask(question, save_as))
         return self
 
-    def then(self, fn: StepFn) -> Flow:
+    def then(self, fn: StepFn[_C]) -> Flow:
         """Run ``await fn(ctx, state)``; return ``"stop"`` to end the flow."""
         self.steps.append(_Then(fn))
         return self
@@ -70,7 +73,7 @@ class Flow:
         self.is_persistent = True
         return self
 
-    async def run(self, ctx: Context, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+    async def run(self, ctx: HandlerContext, checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
         """Run from ``checkpoint`` (None: from the start) until the flow asks or ends.
         Returns the new checkpoint, or None when the flow ended."""
         if checkpoint is None:

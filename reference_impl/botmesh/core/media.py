@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .host import HandlerContext, ReplayedMedia
 from .provider import MediaUnavailableError, Provider, ProviderError
 
-if TYPE_CHECKING:
-    from .bot import Context
+__all__ = ["ReplayedMedia", "journal_media", "load_media_of", "rehydrate"]
 
 
 def journal_media(provider: Provider, media: Any, media_refs: bool) -> dict[str, Any] | None:
@@ -34,15 +34,6 @@ def journal_media(provider: Provider, media: Any, media_refs: bool) -> dict[str,
     return {"raw": media}
 
 
-class ReplayedMedia:
-    """The media of a replayed message: the rebuilt reference, or why it is missing."""
-
-    def __init__(self, ref: Any = None, reason: str | None = None, detail: str | None = None) -> None:
-        self.ref = ref
-        self.reason = reason
-        self.detail = detail
-
-
 def rehydrate(provider: Provider, journaled: dict[str, Any] | None) -> ReplayedMedia | None:
     """Rebuild a journaled reference before a replayed handler runs (MEDIA-2). Never
     raises: a failure is kept and reported by :func:`load_media_of` (MEDIA-3)."""
@@ -66,7 +57,7 @@ def rehydrate(provider: Provider, journaled: dict[str, Any] | None) -> ReplayedM
     return ReplayedMedia(ref=ref)
 
 
-async def load_media_of(ctx: Context, *, throw_on_error: bool = False) -> bytes | None:
+async def load_media_of(ctx: HandlerContext, *, throw_on_error: bool = False) -> bytes | None:
     """Download the media of the message being handled. For a replayed message whose
     reference could not be rebuilt, raise :class:`MediaUnavailableError` with its
     ``reason`` when ``throw_on_error``, else return None (MEDIA-3)."""

@@ -1,5 +1,5 @@
 """``PostgresDurability``: the PostgreSQL durability backend (BACK table, BACK-2) —
-:class:`~botmesh.core.spi.KvDurability` over :class:`~botmesh.postgres_store.PostgresKv`.
+:class:`~botmesh.core.kv_durability.KvDurability` over :class:`~botmesh.postgres_store.PostgresKv`.
 
 It survives a crash (every acknowledged write is a committed single-statement
 transaction on the server) and may be shared by any number of processes on any number of
@@ -17,7 +17,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from ..core.spi import KvDurability
+from ..core.kv_durability import KvDurability
 from ._config import (
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,

@@ -65,7 +65,7 @@ expected in READ COMMITTED (PostgreSQL's default); a stricter isolation level ma
 concurrent writes fail with a serialization error, raised as ``BackendUnavailableError``.
 
 No write is ever retried here: a write that raised may have landed (a connection lost
-after the statement was sent), and :class:`~botmesh.core.spi.KvDurability` reads the
+after the statement was sent), and :class:`~botmesh.core.kv_durability.KvDurability` reads the
 record back by key to find out. Reads are not retried either.
 
 Connections and dropped connections (BACK-2)
@@ -98,7 +98,7 @@ seconds (default 30; ``None``: no limit): when no answer has come by then the so
 its connection is shut down, which wakes the waiting call at once with a lost-connection
 error; the call raises ``BackendUnavailableError`` saying so, the event is reported with
 ``logger.error`` and the pool replaces the connection. A cut write may or may not have
-landed — exactly the "outcome unknown" case :class:`~botmesh.core.spi.KvDurability`
+landed — exactly the "outcome unknown" case :class:`~botmesh.core.kv_durability.KvDurability`
 resolves by reading the record back by key. The cut is client-side only: a statement the
 server is still running (or has not received yet) goes on there until it notices the
 closed connection. The limit is per call, so it must exceed the slowest legitimate call:

@@ -1,7 +1,7 @@
 """botmesh.redis_store: the Redis durability backend (BACK table, BACK-3, REPL-4).
 
 * :class:`RedisDurability` — ``RedisDurability(client=... | url=... | cluster=...,
-  prefix="botmesh", logger=None)``, a :class:`~botmesh.core.spi.KvDurability`.
+  prefix="botmesh", logger=None)``, a :class:`~botmesh.core.kv_durability.KvDurability`.
 * :class:`RedisKv` — the :class:`~botmesh.core.spi.DurableKv` under it: every write is
   one Lua script (compare-and-set of the record and both ordered indexes, atomic in
   the server); keys under ``<prefix>:{durable:<space>:<scope>}`` so that one scope's

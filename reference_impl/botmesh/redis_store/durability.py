@@ -1,5 +1,5 @@
 """``RedisDurability``: the Redis durability backend (BACK table, BACK-3, REPL-4):
-:class:`~botmesh.core.spi.KvDurability` over :class:`~botmesh.redis_store.kv.RedisKv`.
+:class:`~botmesh.core.kv_durability.KvDurability` over :class:`~botmesh.redis_store.kv.RedisKv`.
 
 ``RedisDurability(client=... | url=... | cluster=..., prefix="botmesh", logger=None)``
 
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 
-from ..core.spi import KvDurability
+from ..core.kv_durability import KvDurability
 from .kv import DEFAULT_PREFIX, ClusterSpec, RedisClient, RedisKv
 
 
 class RedisDurability(KvDurability):
-    """:class:`~botmesh.core.spi.KvDurability` over a :class:`RedisKv` (see the module
+    """:class:`~botmesh.core.kv_durability.KvDurability` over a :class:`RedisKv` (see the module
     docstring). ``start()`` opens the kv, ``stop()`` closes it (and an own client)."""
 
     kv: RedisKv

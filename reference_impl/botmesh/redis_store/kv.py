@@ -57,7 +57,7 @@ whose retry policy would resend a command is refused with a
 ``retry=Retry(NoBackoff(), 0)``; for a ``RedisCluster`` the cluster-level ``retry``).
 Instead of a resend, the error is raised as
 :class:`~botmesh.core.errors.BackendUnavailableError` and
-:class:`~botmesh.core.spi.KvDurability` re-reads the record by key to learn the outcome.
+:class:`~botmesh.core.kv_durability.KvDurability` re-reads the record by key to learn the outcome.
 The only resends left are safe ones: redis-py's ``NOSCRIPT`` fallback (``SCRIPT LOAD``
 then ``EVALSHA`` again — a ``NOSCRIPT`` reply means the script did not run) and a
 cluster's ``MOVED``/``ASK``/``TRYAGAIN`` redirections (the node refused the command).

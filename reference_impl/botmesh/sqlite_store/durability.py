@@ -1,5 +1,5 @@
 """``SQLiteDurability``: the durability backend of :class:`~botmesh.sqlite_store.SQLiteStore`
-(``SQLiteStore(...).durability()``, BACK table): :class:`~botmesh.core.spi.KvDurability`
+(``SQLiteStore(...).durability()``, BACK table): :class:`~botmesh.core.kv_durability.KvDurability`
 over :class:`~botmesh.sqlite_store.SQLiteKv`, journals in table ``durable`` (BACK-1).
 
 It survives a crash (WAL, ``synchronous=FULL``) and may be shared by processes of one host
@@ -8,12 +8,12 @@ gives no working locks)."""
 
 from __future__ import annotations
 
-from ..core.spi import KvDurability
+from ..core.kv_durability import KvDurability
 from .kv import SQLiteKv
 
 
 class SQLiteDurability(KvDurability):
-    """:class:`~botmesh.core.spi.KvDurability` over an :class:`SQLiteKv`.
+    """:class:`~botmesh.core.kv_durability.KvDurability` over an :class:`SQLiteKv`.
 
     With ``own_kv`` (default) ``start()`` opens the kv's connection and ``stop()`` closes
     it; the store's own connection is never touched. Usually built by

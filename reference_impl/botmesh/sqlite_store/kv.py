@@ -8,7 +8,7 @@ event loop's thread — no worker threads, no ``run_in_executor``. They are shor
 transactions on one file, and the engine is tested in virtual time
 (:class:`botmesh.core.clock.VirtualClock`): synchronous I/O finishes before the coroutine
 yields, so a virtual-time run is deterministic and time never runs ahead of a query.
-Like :class:`~botmesh.core.spi.MemoryKv`, each method then awaits ``asyncio.sleep(0)`` once
+Like :class:`~botmesh.core.memory.MemoryKv`, each method then awaits ``asyncio.sleep(0)`` once
 (after its work, before it returns or raises ``VersionConflict``), so it is a real
 suspension point and interleaves with other tasks exactly as the reference does. While
 another *process* holds the write lock, a call blocks the loop for up to
@@ -53,7 +53,7 @@ class SQLiteKv(DurableKv):
     ``busy_timeout_ms`` — how long a call waits for another connection's write lock.
 
     The connection opens on :meth:`open` or lazily on the first call (as
-    :class:`~botmesh.core.spi.MemoryKv` accepts calls before ``open``). After
+    :class:`~botmesh.core.memory.MemoryKv` accepts calls before ``open``). After
     :meth:`close` every call raises :class:`~botmesh.core.errors.BackendUnavailableError`
     until :meth:`open` is called again. Every :mod:`sqlite3` error is raised as
     ``BackendUnavailableError`` naming the file.

@@ -1,0 +1,554 @@
+"""``FileKv``: the :class:`~botmesh.core.spi.DurableKv` of the file durability backend,
+kept in memory and persisted to files through :mod:`botmesh.core.fileio`. How it writes,
+opens and locks is in the docstring of :mod:`botmesh.core.file_backend`; the format of
+its files in :mod:`botmesh.core.file_format`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import threading
+from typing import Any
+
+from .errors import BackendUnavailableError, ConfigError, JournalLockedError, VersionConflict
+from .file_format import (
+    Entry,
+    LogEntry,
+    Records,
+    is_int,
+    is_score,
+    log_line,
+    parse_snapshot,
+    replay,
+    scan_log,
+    snapshot_bytes,
+)
+from .fileio import FileIO, default_io
+from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+
+__all__ = ["DEFAULT_COMPACT_BYTES", "DEFAULT_COMPACT_EVERY", "FileKv"]
+
+# The name users configure logging by: the module FileKv was defined in before the split.
+logger = logging.getLogger("botmesh.core.file_backend")
+
+DEFAULT_COMPACT_EVERY = 1000
+"""Append-log entries after which the log is folded into the snapshot."""
+DEFAULT_COMPACT_BYTES = 4 * 1024 * 1024
+"""Append-log size (bytes) at which the log is folded into the snapshot."""
+
+# Resolved paths of the journals open in this process (the same-process half of the
+# BACK-table lock; the lock file only sees other processes).
+_open_paths: set[str] = set()
+_open_paths_guard = threading.Lock()
+
+
+class _SnapshotWriteFailed(Exception):
+    """Internal: a snapshot rewrite failed. ``landed`` tells whether the new snapshot had
+    already replaced the old one (only its directory fsync failed)."""
+
+    def __init__(self, cause: OSError, landed: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.landed = landed
+
+
+def _score(value: Any, name: str) -> float | None:
+    """A put's index score as stored (a float), or None."""
+    if value is None:
+        return None
+    if not is_score(value):
+        raise TypeError(f"{name} must be a number or None, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_name(value: Any, name: str) -> None:
+    # The files store scope/space/key as JSON strings; anything else could not be read
+    # back as the same value.
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+
+
+def _parse_pid(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        pid = int(text.strip())
+    except ValueError:
+        return None
+    return pid if pid > 0 else None
+
+
+class FileKv(DurableKv):
+    """A :class:`~botmesh.core.spi.DurableKv` kept in memory and persisted to files
+    (docstring of :mod:`botmesh.core.file_backend`). It behaves exactly like
+    :class:`~botmesh.core.memory.MemoryKv` and survives a crash of the process; it
+    serves one process only.
+
+    Options (each validated, a bad one raises :class:`~botmesh.core.errors.ConfigError`
+    naming it):
+
+    * ``append_log`` — append each write to ``<path>.log`` instead of rewriting the
+      snapshot. Giving ``compact_every`` or ``compact_bytes`` turns it on as well.
+    * ``compact_every`` (1000), ``compact_bytes`` (4 MiB) — when to fold the log into
+      the snapshot.
+    * ``fsync`` (True) — force each snapshot and each log append to disk (BACK-6).
+    * ``io`` — the :class:`~botmesh.core.fileio.FileIO` doing the OS calls (faults).
+
+    Differences from ``MemoryKv`` only for inputs it would not be able to store:
+    ``scope``/``space``/``key`` must be ``str`` and index scores numbers (``TypeError``).
+    Calls before :meth:`open` raise ``BackendUnavailableError``, as the contract says.
+    """
+
+    capabilities = Capabilities(survives_crash=True, multi_process=False, multi_host=False, shared=False)
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        append_log: bool = False,
+        compact_every: int | None = None,
+        compact_bytes: int | None = None,
+        fsync: bool | None = None,
+        io: FileIO | None = None,
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
+            raise ConfigError(f"path must be a non-empty str or path, got {path!r}", option="path")
+        if not isinstance(append_log, bool):
+            raise ConfigError(f"append_log must be True or False, got {append_log!r}", option="append_log")
+        for option, given in (("compact_every", compact_every), ("compact_bytes", compact_bytes)):
+            if given is not None and (not is_int(given) or given <= 0):
+                raise ConfigError(f"{option} must be a positive int, got {given!r}", option=option)
+        if fsync is not None and not isinstance(fsync, bool):
+            raise ConfigError(f"fsync must be True or False, got {fsync!r}", option="fsync")
+        self._io: FileIO = default_io if io is None else io
+        self._path: str = self._io.resolve(os.fspath(path))
+        self._log_path = self._path + ".log"
+        self._lock_path = self._path + ".lock"
+        self._append_log = append_log or compact_every is not None or compact_bytes is not None
+        self._compact_every = DEFAULT_COMPACT_EVERY if compact_every is None else compact_every
+        self._compact_bytes = DEFAULT_COMPACT_BYTES if compact_bytes is None else compact_bytes
+        self._fsync = True if fsync is None else fsync
+
+        self._records: Records = {}
+        self._seq = 0  # seq of the last write committed (log_seq of a snapshot written now)
+        self._log_fd: int | None = None
+        self._log_entries = 0  # lines in the log file (those already folded included)
+        self._log_bytes = 0  # its size: where the next append starts
+        self._lock_fd: int | None = None
+        self._is_open = False
+        # Set when the file could not be put back into a known state after a failed
+        # write: every call then fails until the journal is reopened from disk.
+        self._broken: str | None = None
+        # No await happens between a write's version check and its commit, so writes are
+        # already atomic between tasks; the lock keeps them so if that ever changes.
+        self._write_lock = asyncio.Lock()
+
+    # -- public properties ---------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """The snapshot file (absolute, symbolic links resolved)."""
+        return self._path
+
+    @property
+    def log_path(self) -> str:
+        """The append log, ``<path>.log``."""
+        return self._log_path
+
+    @property
+    def lock_path(self) -> str:
+        """The lock file, ``<path>.lock``."""
+        return self._lock_path
+
+    @property
+    def append_log(self) -> bool:
+        """Whether writes go to the append log."""
+        return self._append_log
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the journal is open in this object."""
+        return self._is_open
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Take the lock, load the snapshot, replay a leftover log (BACK-4, BACK-5).
+        Idempotent. Raises ``JournalLockedError``, ``JournalCorruptError`` (nothing
+        loaded, no file touched) or ``BackendUnavailableError``."""
+        if self._is_open:
+            return
+        self._register()
+        try:
+            self._take_lock_file()
+            try:
+                self._load()
+            except BaseException:
+                self._release_lock_file()
+                raise
+        except BaseException:
+            self._unregister()
+            raise
+        self._broken = None
+        self._is_open = True
+
+    async def close(self) -> None:
+        """Fold the log into the snapshot, remove the log and the lock. Idempotent; later
+        calls raise ``BackendUnavailableError``. A fold that fails is logged, not raised:
+        the log stays and is replayed at the next open, so nothing is lost."""
+        if not self._is_open:
+            return
+        self._is_open = False
+        try:
+            if self._log_fd is not None and self._broken is None:
+                self._fold_and_remove_log()
+        finally:
+            if self._log_fd is not None:
+                self._close_quietly(self._log_fd)
+                self._log_fd = None
+            self._release_lock_file()
+            self._unregister()
+
+    def abandon(self) -> None:
+        """TEST ONLY: behave as if this process had died now. Drops the in-process
+        registration and the file handles without compacting or writing anything, and
+        leaves the lock file on disk naming a pid that is not alive, so the next
+        ``open()`` exercises the dead-owner takeover. Whatever was acknowledged is on
+        disk already; nothing else is."""
+        if not self._is_open:
+            return
+        self._is_open = False
+        try:
+            if self._log_fd is not None:
+                self._close_quietly(self._log_fd)
+                self._log_fd = None
+            if self._lock_fd is not None:
+                # Closing drops the flock, as the kernel does for a dead process.
+                self._close_quietly(self._lock_fd)
+                self._lock_fd = None
+                self._io.write_lock(self._lock_path, self._io.dead_pid())
+        finally:
+            self._unregister()
+
+    # -- DurableKv -------------------------------------------------------------------------
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        """See :meth:`DurableKv.get`."""
+        self._check()
+        entry = self._records.get((scope, space), {}).get(key)
+        result = None if entry is None else Versioned(copy.deepcopy(entry[0]), entry[1])
+        await asyncio.sleep(0)
+        return result
+
+    async def put(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """See :meth:`DurableKv.put`. The write is on file (and fsync'ed when ``fsync``)
+        before it is applied in memory and acknowledged."""
+        self._check()
+        stored = check_json_object(value)
+        _check_name(scope, "scope")
+        _check_name(space, "space")
+        _check_name(key, "key")
+        due_score = _score(due, "due")
+        expires_score = _score(expires, "expires")
+        async with self._write_lock:
+            self._check()
+            current = self._records.get((scope, space), {}).get(key)
+            current_version = 0 if current is None else current[1]
+            conflict: VersionConflict | None
+            if current_version != expected_version:
+                conflict = VersionConflict.at(space, key, expected_version, current_version)
+            else:
+                conflict = None
+                entry: Entry = (stored, expected_version + 1, due_score, expires_score)
+                self._commit(scope, space, key, entry, expected_version + 1)
+        await asyncio.sleep(0)
+        if conflict is not None:
+            raise conflict
+        return expected_version + 1
+
+    async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
+        """See :meth:`DurableKv.delete`."""
+        self._check()
+        async with self._write_lock:
+            self._check()
+            current = self._records.get((scope, space), {}).get(key)
+            current_version = 0 if current is None else current[1]
+            conflict: VersionConflict | None
+            if current is None or current_version != expected_version:
+                conflict = VersionConflict.at(space, key, expected_version, current_version)
+            else:
+                conflict = None
+                self._commit(scope, space, key, None, expected_version)
+        await asyncio.sleep(0)
+        if conflict is not None:
+            raise conflict
+
+    async def range(
+        self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
+    ) -> list[tuple[float, str]]:
+        """See :meth:`DurableKv.range`."""
+        self._check()
+        pos = 2 if check_index(index) == "due" else 3
+        entries = sorted(
+            (entry[pos], key)
+            for key, entry in self._records.get((scope, space), {}).items()
+            if entry[pos] is not None and entry[pos] <= upto  # type: ignore[operator]
+        )
+        await asyncio.sleep(0)
+        return [(float(score), key) for score, key in entries[:limit]]  # type: ignore[arg-type]
+
+    async def scan(
+        self, scope: str, space: str, *, after: str | None = None, limit: int = 100
+    ) -> list[tuple[str, Versioned]]:
+        """See :meth:`DurableKv.scan`."""
+        self._check()
+        records = self._records.get((scope, space), {})
+        keys = sorted(k for k in records if after is None or k > after)[:limit]
+        result = [(k, Versioned(copy.deepcopy(records[k][0]), records[k][1])) for k in keys]
+        await asyncio.sleep(0)
+        return result
+
+    # -- writing ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        if not self._is_open:
+            raise BackendUnavailableError(f"{self._path}: the file journal is not open", file=self._path)
+        if self._broken is not None:
+            raise BackendUnavailableError(f"{self._path}: {self._broken}; reopen the journal", file=self._path)
+
+    def _commit(self, scope: str, space: str, key: str, entry: Entry | None, version: int) -> None:
+        """Write one change (``entry`` None: delete) to file, then apply it in memory."""
+        if self._append_log:
+            self._commit_to_log(scope, space, key, entry, version)
+        else:
+            self._commit_to_snapshot(scope, space, key, entry)
+
+    def _commit_to_log(self, scope: str, space: str, key: str, entry: Entry | None, version: int) -> None:
+        assert self._log_fd is not None
+        seq = self._seq + 1
+        data = log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry)
+        try:
+            self._io.append(self._log_fd, data, fsync=self._fsync)
+        except OSError as exc:
+            # Part of the line may be in the file: cut it off, or the next append would
+            # turn it into a damaged line in the middle of the log.
+            try:
+                self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
+            except OSError as undo:
+                self._broken = f"a failed append could not be undone ({undo})"
+            raise BackendUnavailableError(
+                f"{self._log_path}: cannot append to the log: {exc}", file=self._log_path
+            ) from exc
+        self._seq = seq
+        self._log_entries += 1
+        self._log_bytes += len(data)
+        space_map = self._records.setdefault((scope, space), {})
+        if entry is None:
+            del space_map[key]
+        else:
+            space_map[key] = entry
+        if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
+            self._compact()
+
+    def _commit_to_snapshot(self, scope: str, space: str, key: str, entry: Entry | None) -> None:
+        # Build the next state beside the current one; it replaces it only once on file.
+        records = dict(self._records)
+        space_map = dict(records.get((scope, space), {}))
+        if entry is None:
+            del space_map[key]
+        else:
+            space_map[key] = entry
+        records[(scope, space)] = space_map
+        try:
+            self._write_snapshot(records, self._seq)
+        except _SnapshotWriteFailed as failed:
+            if failed.landed:
+                # The new snapshot is in place but not known to be on disk, and memory
+                # does not have it: refuse further calls until a reopen reads the truth.
+                self._broken = f"a snapshot write could not be confirmed ({failed.cause})"
+            raise BackendUnavailableError(
+                f"{self._path}: cannot write the snapshot: {failed.cause}", file=self._path
+            ) from failed.cause
+        self._records = records
+
+    def _write_snapshot(self, records: Records, log_seq: int) -> None:
+        """Replace the snapshot atomically (BACK-6). Raises ``_SnapshotWriteFailed``."""
+        data = snapshot_bytes(records, log_seq)
+        tmp = self._path + ".tmp"
+        try:
+            self._io.write_file(tmp, data, fsync=self._fsync)
+            self._io.replace(tmp, self._path)
+        except OSError as exc:
+            try:
+                self._io.remove(tmp)
+            except OSError:
+                pass  # the write's own error is the one to report
+            raise _SnapshotWriteFailed(exc, landed=False) from exc
+        if self._fsync:
+            try:
+                self._io.fsync_dir(os.path.dirname(self._path))
+            except OSError as exc:
+                raise _SnapshotWriteFailed(exc, landed=True) from exc
+
+    def _compact(self) -> None:
+        """Fold the log into the snapshot, then empty the log. The snapshot carries
+        ``log_seq``, so stopping between the two steps loses and repeats nothing."""
+        assert self._log_fd is not None
+        try:
+            self._write_snapshot(self._records, self._seq)
+            self._io.truncate(self._log_fd, 0, fsync=self._fsync)
+        except (_SnapshotWriteFailed, OSError) as exc:
+            # The write that got us here is committed in the log; compaction is retried
+            # at the next write.
+            logger.warning("%s: compaction failed, retrying at the next write: %s", self._path, exc)
+            return
+        self._log_entries = 0
+        self._log_bytes = 0
+
+    def _fold_and_remove_log(self) -> None:
+        """At close: fold the log into the snapshot and delete it (BACK-4)."""
+        try:
+            if self._log_entries > 0:
+                self._write_snapshot(self._records, self._seq)
+            self._io.remove(self._log_path)
+        except (_SnapshotWriteFailed, OSError) as exc:
+            logger.warning(
+                "%s: could not fold the log at close (it will be replayed at the next open): %s", self._path, exc
+            )
+
+    # -- loading ---------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Read the snapshot and the log, validate everything, and only then touch the
+        files (trim a torn tail, or fold the log) and install the state."""
+        try:
+            snapshot = self._io.read_bytes(self._path)
+        except OSError as exc:
+            raise BackendUnavailableError(f"{self._path}: cannot read the snapshot: {exc}", file=self._path) from exc
+        records: Records
+        if snapshot is None:
+            records, log_seq = {}, 0
+        else:
+            records, log_seq = parse_snapshot(snapshot, self._path)
+        try:
+            log = self._io.read_bytes(self._log_path)
+        except OSError as exc:
+            raise BackendUnavailableError(f"{self._log_path}: cannot read the log: {exc}", file=self._log_path) from exc
+        entries: list[LogEntry] = []
+        good = 0
+        seq = log_seq
+        if log is not None:
+            entries, good = scan_log(log, self._log_path)
+            seq = replay(records, log_seq, entries, self._log_path)
+            if good < len(log):
+                logger.warning(
+                    "%s: cut a torn last entry at byte %d (%d bytes of an unfinished write)",
+                    self._log_path,
+                    good,
+                    len(log) - good,
+                )
+        # Everything read back: from here on files change.
+        try:
+            if self._append_log:
+                if entries and entries[-1].seq <= log_seq:
+                    # Every entry is already in the snapshot (a crash between compaction's
+                    # two steps): finish that compaction, so the log holds only the
+                    # entries that follow log_seq.
+                    entries, good = [], 0
+                if log is not None and good < len(log):
+                    self._io.truncate_path(self._log_path, good, fsync=self._fsync)
+                self._log_fd = self._io.open_append(self._log_path, fsync=self._fsync)
+                self._log_entries = len(entries)
+                self._log_bytes = good
+            elif log is not None:
+                # A leftover of an append-log run: fold it in, then drop it (BACK-4).
+                if entries:
+                    self._write_snapshot(records, seq)
+                self._io.remove(self._log_path)
+        except _SnapshotWriteFailed as failed:
+            raise BackendUnavailableError(
+                f"{self._path}: cannot fold the leftover log into the snapshot: {failed.cause}", file=self._path
+            ) from failed.cause
+        except OSError as exc:
+            if self._log_fd is not None:
+                self._close_quietly(self._log_fd)
+                self._log_fd = None
+            raise BackendUnavailableError(f"{self._log_path}: cannot open the log: {exc}", file=self._log_path) from exc
+        self._records = records
+        self._seq = seq
+
+    # -- locking ---------------------------------------------------------------------------
+    def _register(self) -> None:
+        with _open_paths_guard:
+            if self._path in _open_paths:
+                raise JournalLockedError(
+                    f"{self._path} is already open in this process; close() it before opening it again",
+                    file=self._lock_path,
+                    pid=self._io.getpid(),
+                )
+            _open_paths.add(self._path)
+
+    def _unregister(self) -> None:
+        with _open_paths_guard:
+            _open_paths.discard(self._path)
+
+    def _take_lock_file(self) -> None:
+        me = self._io.getpid()
+        try:
+            fd = self._io.lock_acquire(self._lock_path)
+            if fd is None:
+                holder = _parse_pid(self._io.read_lock(self._lock_path))
+                raise JournalLockedError(
+                    f"{self._path} is open in another live process"
+                    + (f" (pid {holder})" if holder is not None else "")
+                    + f": lock file {self._lock_path}",
+                    file=self._lock_path,
+                    pid=holder,
+                )
+            try:
+                holder = _parse_pid(self._io.read_lock(self._lock_path))
+                # A pid is trusted even without its flock (another implementation may
+                # only write pids); our own pid here is a leftover of an earlier process
+                # that had it, since this process has not registered the path.
+                if holder is not None and holder != me and self._io.pid_alive(holder):
+                    raise JournalLockedError(
+                        f"{self._path} is open in another live process (pid {holder}): lock file {self._lock_path}",
+                        file=self._lock_path,
+                        pid=holder,
+                    )
+                if holder is not None and holder != me:
+                    logger.warning("%s: taking over the lock of dead process %d", self._lock_path, holder)
+                self._io.lock_write_pid(fd, me, fsync=self._fsync)
+            except BaseException:
+                self._close_quietly(fd)
+                raise
+        except OSError as exc:
+            raise BackendUnavailableError(
+                f"{self._lock_path}: cannot take the lock: {exc}", file=self._lock_path
+            ) from exc
+        self._lock_fd = fd
+
+    def _release_lock_file(self) -> None:
+        if self._lock_fd is None:
+            return
+        fd, self._lock_fd = self._lock_fd, None
+        try:
+            self._io.lock_release(fd, self._lock_path)
+        except OSError as exc:
+            # The flock went with the descriptor; a lock file left behind names this
+            # process, which the next opener treats as dead once we exit.
+            logger.warning("%s: could not remove the lock file: %s", self._lock_path, exc)
+
+    def _close_quietly(self, fd: int) -> None:
+        try:
+            self._io.close_fd(fd)
+        except OSError:
+            pass  # closing is best effort: the descriptor is gone either way

@@ -1,0 +1,116 @@
+"""The in-memory backend: :class:`MemoryKv`, the reference
+:class:`~botmesh.core.spi.DurableKv` (the oracle the conformance suite compares every
+other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it that
+``durability={}`` means (ENABLE-2)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from .errors import BackendUnavailableError, VersionConflict
+from .kv_durability import KvDurability
+from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+
+__all__ = ["MemoryDurability", "MemoryKv"]
+
+
+class MemoryKv(DurableKv):
+    """The in-memory reference :class:`DurableKv`: the oracle the conformance suite
+    compares other backends against. Nothing survives the process."""
+
+    capabilities = Capabilities()
+
+    def __init__(self) -> None:
+        # (scope, space) -> key -> (value, version, due, expires)
+        self._data: dict[tuple[str, str], dict[str, tuple[dict[str, Any], int, float | None, float | None]]] = {}
+        self._closed = False
+
+    async def open(self) -> None:
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def _check(self) -> None:
+        if self._closed:
+            raise BackendUnavailableError("MemoryKv is closed")
+
+    def _space(self, scope: str, space: str) -> dict[str, tuple[dict[str, Any], int, float | None, float | None]]:
+        return self._data.setdefault((scope, space), {})
+
+    # Each method completes without awaiting anything in between its read and its write,
+    # so it is atomic with respect to other tasks; the final sleep(0) keeps it a real
+    # suspension point like any I/O-backed implementation.
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        self._check()
+        entry = self._space(scope, space).get(key)
+        result = None if entry is None else Versioned(copy.deepcopy(entry[0]), entry[1])
+        await asyncio.sleep(0)
+        return result
+
+    async def put(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        self._check()
+        stored = check_json_object(value)
+        records = self._space(scope, space)
+        current = records.get(key)
+        current_version = 0 if current is None else current[1]
+        if current_version != expected_version:
+            await asyncio.sleep(0)
+            raise VersionConflict.at(space, key, expected_version, current_version)
+        records[key] = (stored, expected_version + 1, due, expires)
+        await asyncio.sleep(0)
+        return expected_version + 1
+
+    async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
+        self._check()
+        records = self._space(scope, space)
+        current = records.get(key)
+        current_version = 0 if current is None else current[1]
+        if current is None or current_version != expected_version:
+            await asyncio.sleep(0)
+            raise VersionConflict.at(space, key, expected_version, current_version)
+        del records[key]
+        await asyncio.sleep(0)
+
+    async def range(
+        self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
+    ) -> list[tuple[float, str]]:
+        self._check()
+        pos = 2 if check_index(index) == "due" else 3
+        entries = sorted(
+            (entry[pos], key)
+            for key, entry in self._space(scope, space).items()
+            if entry[pos] is not None and entry[pos] <= upto  # type: ignore[operator]
+        )
+        await asyncio.sleep(0)
+        return [(float(score), key) for score, key in entries[:limit]]  # type: ignore[arg-type]
+
+    async def scan(
+        self, scope: str, space: str, *, after: str | None = None, limit: int = 100
+    ) -> list[tuple[str, Versioned]]:
+        self._check()
+        records = self._space(scope, space)
+        keys = sorted(k for k in records if after is None or k > after)[:limit]
+        result = [(k, Versioned(copy.deepcopy(records[k][0]), records[k][1])) for k in keys]
+        await asyncio.sleep(0)
+        return result
+
+
+class MemoryDurability(KvDurability):
+    """The in-memory backend (what ``durability={}`` means, ENABLE-2): retries, backoff
+    and the DLQ, nothing survives the process."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryKv(), own_kv=False, name="memory")
