@@ -163,7 +163,7 @@ class BackendHarness(ABC):
         return None
 
     def kv_factory(self) -> Callable[[], DurableKv] | None:
-        """When the backend is a :class:`~botmesh.core.spi.KvDurability` over a
+        """When the backend is a :class:`~botmesh.core.kv_durability.KvDurability` over a
         ``DurableKv``: a zero-argument callable giving a new, unopened kv on this
         harness's storage (what the ``DurableKv`` conformance suite needs); else None."""
         return None
