@@ -61,7 +61,7 @@ from botmesh.core.testing import SimulatedCrash
 from ..backends.base import CAPABILITIES, BackendHarness
 from ..backends.registry import resolve
 from ..crash.world import DRAIN_MS, World
-from ..matrix.cells import compress
+from ..matrix.cells import POLICIES, compress
 
 _SetupT = TypeVar("_SetupT", bound=Callable[[Bot], object])
 _HandlerT = TypeVar("_HandlerT", bound=Handler)
@@ -114,9 +114,9 @@ def scenario(
     """
     if not spec_ids or not all(isinstance(i, str) and "-" in i for i in spec_ids):
         raise ValueError(f"@scenario needs spec ids like 'GUAR-3', got {spec_ids!r}")
-    bad = [p for p in policies or () if p not in ("skip", "resend")]
+    bad = [p for p in policies or () if p not in POLICIES]
     if bad:
-        raise ValueError(f"@scenario policies: {bad!r}; choose from 'skip', 'resend'")
+        raise ValueError(f"@scenario policies: {bad!r}; choose from {', '.join(map(repr, POLICIES))}")
     unknown = [c for c in requires if c not in CAPABILITIES]
     if unknown:
         raise ValueError(f"@scenario requires: unknown capability {unknown!r}; known: {', '.join(CAPABILITIES)}")
