@@ -4,9 +4,11 @@ Two layers, one model:
 
 * :mod:`.model` — :class:`PersistenceModel`, pure Python: which changes of a tree are
   durable and which only in the (simulated) page cache, and the :class:`CrashState` a
-  power cut leaves. Used directly by the in-process variant (a ``FileIO`` that records
-  what it writes and enumerates :meth:`PersistenceModel.crash_states`; :func:`materialize`
-  writes a state out to reopen a backend on it).
+  power cut leaves. Used directly by the in-process variant, :class:`PowerCutIO`
+  (:mod:`.recording_io`): a ``botmesh.core.fileio.FileIO`` that records what the backend
+  does and enumerates the crash states of the unsynced window
+  (:meth:`PersistenceModel.crash_states`); :func:`materialize` writes a state out to
+  reopen the backend on it.
 * :mod:`.mount` / :mod:`.fuse_server` — :class:`PowerCutFS`, a real pass-through FUSE
   file system (kernel FUSE, libfuse 3, the ``mfusepy`` binding: ``pip install
   'botmesh-testkit[powercuts]'``) in a child process, so C code (SQLite, LMDB,
@@ -63,11 +65,12 @@ from .mount import (
     cleanup_stale_mounts,
     unavailable_reason,
 )
+from .recording_io import PowerCutIO
 from .state import SECTOR_SIZES, CrashState, NodeAttrs, Seed, TornWrite, crash_modes
 
 __all__ = [
     "FAULT_OPS", "REGISTRY_DIR", "ROOT_INO", "SECTOR_SIZES", "CrashState", "CutReport", "HeldOp", "NodeAttrs", "PersistenceModel",
-    "PowerCutError", "PowerCutFS", "PowerCutMount", "PowerCutServerDied", "PowerCutStats", "PowerCutUnavailable",
+    "PowerCutError", "PowerCutFS", "PowerCutIO", "PowerCutMount", "PowerCutServerDied", "PowerCutStats", "PowerCutUnavailable",
     "RebuildReport", "Seed", "Target", "TornWrite", "UnsupportedEntry", "cleanup_stale_mounts", "crash_modes",
     "load_tree", "materialize", "rebuild", "unavailable_reason",
 ]
