@@ -255,6 +255,16 @@ def test_the_model_forgets_inodes_nothing_refers_to() -> None:
     assert m.crash("drop").files == {"snap": b"199"}
 
 
+def test_sync_all_makes_everything_durable() -> None:
+    m = PersistenceModel()
+    m.mkdir("d")
+    m.create("d/f")
+    m.write("d/f", 0, b"x")
+    m.rename("d/f", "d/g")
+    m.sync_all()
+    assert m.unsynced_ops() == 0 and m.crash("drop").files == {"d/g": b"x"}
+
+
 def test_a_state_restarts_as_a_model_and_materializes(tmp_path: Path) -> None:
     m = PersistenceModel()
     m.mkdir("d")
@@ -414,6 +424,15 @@ def test_a_write_without_fsync_is_gone_after_a_cut(mounter: Callable[..., PowerC
     assert report.dropped >= 1 and report.unsynced_bytes == len(b"new content")
     assert (m.path / "f").read_bytes() == b"old"
     _sound(m)
+
+
+def test_sync_makes_the_set_up_durable(pc: PowerCutMount) -> None:
+    (pc.path / "d").mkdir()
+    _write(pc.path / "d" / "f", b"set-up", fsync=False)
+    pc.sync()
+    assert pc.stats().unsynced_ops == 0
+    pc.cut()
+    assert (pc.path / "d" / "f").read_bytes() == b"set-up"
 
 
 def test_a_write_with_fsync_is_kept(mounter: Callable[..., PowerCutMount]) -> None:

@@ -36,6 +36,7 @@ The control API (each call answered before it returns)::
 
     fs = PowerCutFS(tmp_path / "pc")                 # backing dir: tmp_path/pc/backing
     with fs.mount() as m:                            # m.path: the mount point (in /tmp)
+        ...set up; m.sync()                          # everything so far durable
         ...run the backend's process on m.path, SIGKILL it...
         report = m.cut("drop" | "subset" | "torn", seed=7)   # mount shows the durable state
         m.fail("write", "*.wal", nth=2, errno=errno.EIO)      # the 2nd matching write fails once

@@ -17,6 +17,12 @@ of the crash state. The kernel caches nothing that could hide it: attribute, ent
 negative timeouts are 0, every open revalidates the page cache, and ``direct_io`` is off
 (so shared writable ``mmap`` — SQLite's ``-shm`` — works).
 
+The server sees what the kernel sends, which is not always one request per system call:
+a ``write(2)`` that starts inside a page and crosses its end arrives as two writes, split
+at the page boundary (for the fault rules' counting and for the torn variant these are
+two writes), and ``open(O_TRUNC)`` arrives as an open with ``O_TRUNC`` (recorded as a
+size change to 0).
+
 Faults (``fail``, ``hold``) are checked at the entry of an operation, before the lock: a
 failed operation does nothing but return its errno (a failed ``fsync`` also loses the
 file's unsynced data: model rule 5); a held one waits, without the lock, until it is
@@ -541,6 +547,10 @@ class PowerCutServer:
             return {"released": self._rules.release(None if named is None else int(named))}
         if cmd == "clear":
             return {"released": self._rules.clear()}
+        if cmd == "sync":
+            with self._lock:
+                self._model.sync_all()
+            return {}
         if cmd == "stats":
             return self.stats()
         if cmd == "unsynced":

@@ -67,9 +67,11 @@ on ext4:
 * A cross-directory rename needs an ``fsync`` of both directories (ext4: either).
 * A size change persists only with an ``fsync`` of the file, not of its directory (ext4
   commits it with the journal).
-* Torn writes: ext4 data=ordered overwrites data in place without a journal, so a
-  multi-sector write can be torn there as well; the model only tears at sector
-  boundaries, never inside a sector.
+* ``"subset"`` may keep a later append without an earlier one (a hole of zeros); ext4
+  data=ordered only moves the size on disk once the data below it is written.
+* Torn writes are no stricter: ext4 data=ordered overwrites data in place without a
+  journal, so a multi-sector write can be torn there as well (the model tears only at
+  sector boundaries, never inside a sector).
 
 Paths are ``/``-separated and relative to the root (a leading ``/`` is ignored; ``""`` is
 the root). Operations raise the ``OSError`` subclasses the OS would (``FileNotFoundError``,
@@ -325,6 +327,19 @@ class PersistenceModel:
             node.pending.clear()
             node.diverged = True
         return lost
+
+    def sync_all(self) -> None:
+        """Make everything durable, as ``sync(2)`` would on a real disk: every file's data
+        and every directory operation (a test's set-up, before the workload whose power
+        cuts matter). Data a failed fsync lost stays lost."""
+        for node in self._inodes.values():
+            for op in node.pending:
+                _apply_data(node.durable, op)
+            node.pending.clear()
+        for m in self._log:
+            m.durable = True
+        while self._log:
+            self._fold(self._log.pop(0))
 
     # -- directory operations ---------------------------------------------------------------------
     def create(self, path: str, attrs: NodeAttrs = FILE_ATTRS) -> int:

@@ -370,6 +370,13 @@ class PowerCutMount:
                          r["unsynced_bytes"], r["files"], r["dirs"], None if torn is None else TornWrite(**torn),
                          r["written"], r["removed"], r["fingerprint"])
 
+    def sync(self) -> None:
+        """Make everything written so far durable, as if the disk had been flushed whole
+        (set-up before the workload: a database created, a server initialised). A
+        ``sync(2)`` or ``syncfs(2)`` of a process does not reach the FUSE layer, so only
+        this does it."""
+        self._request("sync")
+
     def fail(self, op: str, path_glob: str = "*", nth: int = 1, errno: int = _errno.EIO) -> int:
         """Make the ``nth`` operation ``op`` (one of :data:`~.faults.FAULT_OPS` or
         ``"*"``) on a path matching ``path_glob`` (``fnmatch`` on the path relative to
