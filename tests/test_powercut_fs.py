@@ -22,6 +22,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 import pytest
@@ -33,6 +34,7 @@ from botmesh_testkit.crash.fs import (
     PowerCutFS,
     PowerCutIO,
     PowerCutMount,
+    PowerCutError,
     PowerCutServerDied,
     PowerCutUnavailable,
     cleanup_stale_mounts,
@@ -900,3 +902,19 @@ def test_other_users_get_their_own_files_and_the_usual_permissions(mounter: Call
     _sound(m)
     m.cut()  # owners are kept across a power cut
     assert os.stat(m.path / "own").st_uid == nobody
+
+
+def test_a_tree_the_layer_cannot_model_is_refused_by_name(tmp_path: Path) -> None:
+    if (reason := unavailable_reason()) is not None:
+        _unavailable(reason)
+    fs = PowerCutFS(tmp_path / "pc")
+    fs.backing.mkdir(parents=True)
+    (fs.backing / "link").symlink_to("elsewhere")
+    with pytest.raises(PowerCutError, match="link: not a directory or regular file"):
+        fs.mount()
+    assert not any(p.startswith(str(tmp_path)) for p in mount_module._our_mounts())
+
+
+def test_the_mount_point_is_a_fresh_directory_in_the_temporary_directory(pc: PowerCutMount) -> None:
+    assert pc.path.parent == Path(tempfile.gettempdir()) and pc.path.name.startswith("botmesh-powercut-mnt-")
+    assert mount_module._is_mounted(str(pc.path))

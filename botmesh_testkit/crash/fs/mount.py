@@ -249,14 +249,16 @@ def cleanup_stale_mounts() -> list[str]:
         if owner_alive and (server_alive or not server_known):
             recorded.add(mp)
             continue
+        # Unmount first, then stop an orphaned server: whoever waits for that server to end
+        # then finds the mount gone (it would unmount itself anyway, its socket closed).
+        if mp and mp in mounted:
+            _force_unmount(mp)
+            cleaned.append(mp)
         if server_alive:
             try:
                 os.kill(int(rec["server_pid"]), signal.SIGKILL)
             except OSError:
                 pass
-        if mp and mp in mounted:
-            _force_unmount(mp)
-            cleaned.append(mp)
         if mp:
             _remove_mountpoint(mp)
         rec_path.unlink(missing_ok=True)
