@@ -672,6 +672,33 @@ def test_capabilities_claim_a_shared_crash_safe_multi_host_backend(pg_url: str) 
     assert durability.kv.table_prefix == "botmesh_" and durability.table == "botmesh_durable"
 
 
+@pytest.mark.spec("GUAR-1", "BACK-2")
+async def test_durability_settings_are_read_from_the_kvs_own_sessions(pg_url: str, prefix: str) -> None:
+    """``SHOW fsync``, ``synchronous_commit``, ``full_page_writes`` on a connection of
+    the kv's pool: what the server says, and a ``synchronous_commit`` set for the session
+    by the connection string's ``options`` is what the kv reports; not open:
+    unavailable."""
+    with psycopg.connect(pg_url) as conn:
+        server = {name: str(conn.execute(f"SHOW {name}").fetchone()[0])  # type: ignore[index]
+                  for name in ("fsync", "synchronous_commit", "full_page_writes")}
+    kv = PostgresKv(connection_string=pg_url, table_prefix=prefix)
+    with pytest.raises(BackendUnavailableError, match="not open"):
+        await kv.durability_settings()
+    backend = PostgresDurability(connection_string=pg_url, table_prefix=prefix)
+    await backend.start()
+    try:
+        assert await backend.durability_settings() == {"kind": "postgres", **server}
+    finally:
+        await backend.stop()
+    off = make_conninfo(pg_url, options="-c synchronous_commit=off")
+    kv = PostgresKv(connection_string=off, table_prefix=prefix)
+    await kv.open()
+    try:
+        assert (await kv.durability_settings())["synchronous_commit"] == "off"
+    finally:
+        await kv.close()
+
+
 @pytest.mark.spec("LEASE-3")
 def test_default_instance_id_gets_a_per_boot_suffix(pg_url: str) -> None:
     """LEASE-3: on PostgreSQL (a shared backend) the default ``instance_id`` is

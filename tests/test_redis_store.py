@@ -285,6 +285,42 @@ def test_bad_connection_options_are_config_errors(kwargs: dict[str, Any], option
     assert info.value.option == option  # type: ignore[attr-defined]
 
 
+@spec("GUAR-1", "BACK-3")
+async def test_durability_settings_are_what_the_server_says(redis_url: str, sync_client: redis.Redis) -> None:
+    """``CONFIG GET appendonly`` / ``appendfsync`` of the server the kv writes to, whatever
+    they are (the shared server is only read); a closed kv is unavailable."""
+    expected = {"kind": "redis"}
+    for name in ("appendonly", "appendfsync"):
+        expected.update({k: str(v) for k, v in sync_client.config_get(name).items()})
+    backend = RedisDurability(url=redis_url, prefix="bmsettings")
+    await backend.start()
+    try:
+        assert await backend.durability_settings() == expected
+    finally:
+        await backend.stop()
+    with pytest.raises(BackendUnavailableError):
+        await backend.durability_settings()
+
+
+@spec("GUAR-1", "BACK-3")
+async def test_a_server_that_refuses_config_leaves_the_settings_out_saying_why() -> None:
+    """A server with ``CONFIG`` renamed away (as managed services do): not an outage —
+    the two settings are left out and ``unreadable`` says why."""
+    from botmesh_testkit.servers import PrivateRedis, find_redis_server
+
+    if find_redis_server() is None:
+        _unavailable("redis-server not found: cannot start a private server")
+    with PrivateRedis(extra_args=["--rename-command", "CONFIG", ""]) as server:
+        kv = RedisKv(url=server.url, prefix="bmsettings")
+        await kv.open()
+        try:
+            settings = await kv.durability_settings()
+        finally:
+            await kv.close()
+    assert set(settings) == {"kind", "unreadable"} and settings["kind"] == "redis"
+    assert settings["unreadable"].startswith("CONFIG GET refused: ") and "CONFIG" in settings["unreadable"]
+
+
 @spec("LEASE-3", "REPL-4")
 def test_capabilities_are_shared_and_default_instance_ids_get_a_per_boot_suffix() -> None:
     """REPL-4, LEASE-3: the backend is shared across hosts; two bots on it without an
@@ -830,6 +866,25 @@ def cluster_prefix(cluster_nodes: list[str]) -> Iterator[str]:
             _delete_matching(client, f"{value}:*", batch=1)
         finally:
             client.close()
+
+
+@spec("GUAR-1", "BACK-3")
+async def test_cluster_durability_settings_are_read_from_every_primary(cluster_nodes: list[str]) -> None:
+    """On a Cluster every primary is asked: one value when they agree, each node's when
+    they do not (one node switched to ``appendfsync always`` for the test)."""
+    kv = RedisKv(cluster=cluster_nodes, prefix="bmsettings")
+    await kv.open()
+    host, port = cluster_nodes[0].rsplit(":", 1)
+    node = redis.Redis(host=host, port=int(port))
+    try:
+        assert await kv.durability_settings() == {"kind": "redis", "appendonly": "no", "appendfsync": "everysec"}
+        node.config_set("appendfsync", "always")
+        mixed = (await kv.durability_settings())["appendfsync"]
+        assert f"always on {cluster_nodes[0]}" in mixed and mixed.count("everysec on ") == 2, mixed
+    finally:
+        node.config_set("appendfsync", "everysec")
+        node.close()
+        await kv.close()
 
 
 class TestRedisKvClusterConformance(DurableKvConformance):

@@ -539,6 +539,36 @@ def test_sqlite_kv_capabilities(db: Path) -> None:
     assert SQLiteKv(db).capabilities == Capabilities(survives_crash=True, multi_process=True, multi_host=False, shared=False)
 
 
+class _NormalSync(SQLiteKv):
+    """Commits without syncing the WAL: the connection's pragma is changed after open."""
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = super()._connect()
+        conn.execute("PRAGMA synchronous = NORMAL")
+        return conn
+
+
+@pytest.mark.spec("GUAR-1", "BACK-1")
+def test_sqlite_kv_reports_the_pragmas_of_its_own_connection(db: Path) -> None:
+    """The settings ``survives_crash`` rests on, read from the kv's connection (not from
+    what it asked for): as shipped WAL with ``synchronous=FULL``; a subclass that changes
+    the connection is reported as it is; after close the kv is unavailable."""
+
+    async def body() -> None:
+        kv = SQLiteKv(db)
+        assert await kv.durability_settings() == {"kind": "sqlite", "synchronous": "FULL", "journal_mode": "wal"}
+        backend = SQLiteDurability(_NormalSync(db))
+        await backend.start()
+        assert await backend.durability_settings() == {"kind": "sqlite", "synchronous": "NORMAL",
+                                                       "journal_mode": "wal"}
+        await backend.stop()
+        await kv.close()
+        with pytest.raises(BackendUnavailableError, match="closed"):
+            await kv.durability_settings()
+
+    run(body)
+
+
 def test_sqlite_kv_returns_copies(db: Path) -> None:
     async def body() -> None:
         kv = SQLiteKv(db)

@@ -45,6 +45,10 @@ class InterceptedBackend(DurabilityBackend):
         self.before_read()
         await self.inner.stop()
 
+    async def durability_settings(self) -> dict[str, str] | None:
+        # Not an operation of the journals (no crash point): what the inner backend reports.
+        return await self.inner.durability_settings()
+
 
 def _write(op: str, method: str) -> Any:
     async def call(self: InterceptedBackend, *args: Any, **kwargs: Any) -> Any:

@@ -73,6 +73,13 @@ class DurabilityBackend(ABC):
     async def stop(self) -> None:
         """Called by ``bot.stop()``. Idempotent."""
 
+    async def durability_settings(self) -> dict[str, str] | None:
+        """Optional: the live settings the backend's durability rests on, in the form of
+        :meth:`botmesh.core.spi.DurableKv.durability_settings` (``None``, the default:
+        not reported). Called on a started backend;
+        :class:`~botmesh.core.kv_durability.KvDurability` asks its kv."""
+        return None
+
     # -- inbox ------------------------------------------------------------------------
     @abstractmethod
     async def inbox_journal(self, scope: str, record: InboxRecord) -> tuple[InboxRecord, bool]:

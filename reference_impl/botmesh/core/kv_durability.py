@@ -72,6 +72,10 @@ class KvDurability(DurabilityBackend):
         if self.own_kv:
             await self.kv.close()
 
+    async def durability_settings(self) -> dict[str, str] | None:
+        """The kv's (:meth:`DurableKv.durability_settings`)."""
+        return await self.kv.durability_settings()
+
     # -- generic record transitions -----------------------------------------------------
     async def _put(
         self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None, expires: float | None

@@ -84,6 +84,30 @@ class DurableKv(ABC):
     async def close(self) -> None:
         """Release resources. Idempotent. Later calls raise ``BackendUnavailableError``."""
 
+    async def durability_settings(self) -> dict[str, str] | None:
+        """Optional: the settings this kv's durability rests on, read **live** from the
+        connection or configuration it really uses — not from what it was asked for —
+        so that a ``survives_crash`` claim can be checked against them without a power
+        cut. ``None`` (the default) means "not reported": nothing is claimed about the
+        settings, and the claim is left to tests that kill the process or cut the power.
+
+        The mapping has a ``"kind"`` naming the storage (``"sqlite"``, ``"postgres"``,
+        ``"redis"``, ``"file"``, or a name of a third party's own) and one entry per
+        setting, its value as text, named as the storage names it:
+
+        * ``sqlite`` — ``synchronous`` (``PRAGMA synchronous`` of the kv's own
+          connection, as ``OFF``/``NORMAL``/``FULL``/``EXTRA``), ``journal_mode``;
+        * ``postgres`` — ``fsync``, ``synchronous_commit``, ``full_page_writes``
+          (``SHOW`` on a connection of the kv's pool);
+        * ``redis`` — ``appendonly``, ``appendfsync`` (``CONFIG GET``);
+        * ``file`` — ``fsync``, ``append_log`` (``True``/``False``).
+
+        A setting that could not be read is left out (and ``"unreadable"`` may say why):
+        a checker then reports that it could not verify it. Raises
+        ``BackendUnavailableError`` when the storage cannot be reached at all. Calling
+        it is not a write and changes nothing."""
+        return None
+
     @abstractmethod
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         """The record at ``(scope, space, key)`` with its version, or ``None``."""

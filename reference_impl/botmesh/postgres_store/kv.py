@@ -156,6 +156,7 @@ from ._config import (
     check_table_prefix,
     check_timeout,
 )
+from ._settings import show_settings
 
 __all__ = ["PostgresKv"]
 
@@ -484,6 +485,15 @@ class PostgresKv(DurableKv):
         _ABANDONED.add(task)
         task.add_done_callback(_ABANDONED.discard)
         return task
+
+    async def durability_settings(self) -> dict[str, str]:
+        """``{"kind": "postgres", "fsync": ..., "synchronous_commit": ...,
+        "full_page_writes": ...}``: ``SHOW`` of each on a connection of the kv's pool, so
+        what a session of this kv really runs with (:mod:`._settings`). Raises
+        ``BackendUnavailableError`` when the kv is not open or the server cannot be
+        reached."""
+        self._statements("durability settings")
+        return {"kind": "postgres", **await self._run("durability settings", show_settings)}
 
     # -- DurableKv -----------------------------------------------------------------
 

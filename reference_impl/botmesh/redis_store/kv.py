@@ -100,7 +100,9 @@ is never closed here. After :meth:`close` (or :meth:`abandon`) every call raises
 acknowledged writes durable: AOF with ``appendfsync always``. With ``everysec`` a server
 crash may lose the last second of acknowledged writes; without persistence a server
 restart loses everything. A crash of the *client* process never loses an acknowledged
-write (nothing is buffered client-side).
+write (nothing is buffered client-side). :meth:`RedisKv.durability_settings` reports what
+the server runs with (``CONFIG GET appendonly``/``appendfsync``), so a certification
+refuses the claim on a server that cannot keep it.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
@@ -154,6 +156,10 @@ T = TypeVar("T")
 _DRIVER_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, EOFError)
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
+
+_PERSISTENCE_SETTINGS = ("appendonly", "appendfsync")
+"""What :meth:`RedisKv.durability_settings` reads: whether the server keeps an
+append-only file, and when it fsyncs it."""
 
 # -- Lua ------------------------------------------------------------------------------------
 # KEYS: 1 records hash, 2 due zset, 3 expires zset, 4 keys zset (all one hash tag).
@@ -231,6 +237,11 @@ def _b(text: str) -> bytes:
 
 def _s(data: bytes | str) -> str:
     return data if isinstance(data, str) else data.decode("utf-8", "surrogatepass")
+
+
+def _text(data: object) -> str:
+    """A reply element as text, whether the client decodes replies or not."""
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
 
 
 def scope_keys(prefix: str, scope: str, space: str) -> dict[str, bytes]:
@@ -572,6 +583,43 @@ class RedisKv(DurableKv):
             ) from exc
         _raise_swallowed_cancel(task, cancels, None)
         return result
+
+    async def durability_settings(self) -> dict[str, str]:
+        """``{"kind": "redis", "appendonly": ..., "appendfsync": ...}`` read with
+        ``CONFIG GET`` from the server this kv writes to — on a Cluster from every
+        primary (one value when they agree, else ``"<value> on <node>, ..."``). A server
+        that refuses ``CONFIG`` (renamed away or denied by an ACL, as managed services
+        do) leaves the two keys out and says why under ``"unreadable"``: the claim then
+        cannot be verified from here. Other driver errors raise
+        ``BackendUnavailableError``."""
+
+        async def read(client: RedisClient, _: dict[str, Any]) -> dict[str, str]:
+            if isinstance(client, RedisCluster):
+                nodes: list[tuple[str, ClusterNode | None]] = [(n.name, n) for n in client.get_primaries()]
+            else:
+                nodes = [("", None)]
+            values: dict[str, list[tuple[str, str]]] = {name: [] for name in _PERSISTENCE_SETTINGS}
+            try:
+                for where, node in nodes:
+                    for name in _PERSISTENCE_SETTINGS:
+                        if node is None:
+                            answer = await client.config_get(name)
+                        else:
+                            answer = await cast(RedisCluster, client).config_get(name, target_nodes=node)
+                        got = {_text(k): _text(v) for k, v in dict(answer).items()}
+                        if name in got:
+                            values[name].append((where, got[name]))
+            except ResponseError as exc:  # CONFIG renamed or not permitted: not an outage
+                return {"kind": "redis", "unreadable": f"CONFIG GET refused: {exc}"}
+            found = {"kind": "redis"}
+            for name, seen in values.items():
+                if not seen:
+                    continue
+                distinct = {value for _, value in seen}
+                found[name] = seen[0][1] if len(distinct) == 1 else ", ".join(f"{v} on {w}" for w, v in seen)
+            return found
+
+        return await self._call("durability settings", read)
 
     # -- DurableKv -----------------------------------------------------------------------
 

@@ -42,6 +42,9 @@ from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connec
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
 
+_SYNCHRONOUS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+"""``PRAGMA synchronous`` answers a number; its names, as SQLite documents them."""
+
 
 class SQLiteKv(DurableKv):
     """A :class:`~botmesh.core.spi.DurableKv` stored in table ``durable`` of an SQLite
@@ -57,6 +60,11 @@ class SQLiteKv(DurableKv):
     :meth:`close` every call raises :class:`~botmesh.core.errors.BackendUnavailableError`
     until :meth:`open` is called again. Every :mod:`sqlite3` error is raised as
     ``BackendUnavailableError`` naming the file.
+
+    :meth:`durability_settings` reads ``PRAGMA synchronous`` and ``journal_mode`` of
+    this connection. :meth:`_connect` builds it: a subclass may override it to adjust
+    the connection (the testkit's tests do, to break durability on purpose and see the
+    claims check refuse it).
     """
 
     capabilities = Capabilities(survives_crash=True, multi_process=True, multi_host=False, shared=False)
@@ -100,9 +108,14 @@ class SQLiteKv(DurableKv):
                 except sqlite3.Error as exc:
                     raise unavailable(self._file, exc, "close") from exc
 
+    def _connect(self) -> sqlite3.Connection:
+        """A new connection to the file with the durability pragmas and the schema
+        (:func:`botmesh.sqlite_store._db.connect`); called with ``self._lock`` held."""
+        return connect(self._file, self._busy_timeout_ms)
+
     def _open_locked(self) -> sqlite3.Connection:
         if self._conn is None:
-            self._conn = connect(self._file, self._busy_timeout_ms)
+            self._conn = self._connect()
         self._state = _OPEN
         return self._conn
 
@@ -111,6 +124,20 @@ class SQLiteKv(DurableKv):
         if self._state == _CLOSED:
             raise BackendUnavailableError(f"SQLiteKv {self._file!r} is closed", file=self._file)
         return self._open_locked()
+
+    async def durability_settings(self) -> dict[str, str]:
+        """``{"kind": "sqlite", "synchronous": ..., "journal_mode": ...}`` read from the
+        kv's own connection (opening it lazily): ``PRAGMA synchronous`` as its name
+        (``OFF``, ``NORMAL``, ``FULL``, ``EXTRA``) and ``PRAGMA journal_mode`` (``wal``
+        as shipped). Raises ``BackendUnavailableError`` after :meth:`close`."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                level = conn.execute("PRAGMA synchronous").fetchone()[0]
+                mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+            except sqlite3.Error as exc:
+                raise unavailable(self._file, exc, "reading the durability pragmas") from exc
+        return {"kind": "sqlite", "synchronous": _SYNCHRONOUS.get(int(level), str(level)), "journal_mode": str(mode)}
 
     # -- DurableKv -----------------------------------------------------------------
 
