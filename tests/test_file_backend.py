@@ -1233,3 +1233,57 @@ def test_file_kv_agrees_with_memory_kv_step_by_step(append_log: bool, ops: list[
 
     with tempfile.TemporaryDirectory() as directory:
         run(main(directory))
+
+
+@pytest.mark.spec("BACK-6", "BACK-7", "GUAR-1")
+@pytest.mark.parametrize("append_log", [False, True], ids=["snapshot", "append_log"])
+def test_without_fsync_a_journal_claims_no_survives_crash(tmp_path: Path, append_log: bool) -> None:
+    """Issue 11, item 5: ``fsync=False`` survives a SIGKILL (the OS cache outlives the
+    process) but not a power cut, so neither FileKv nor FileDurability built so claims
+    ``survives_crash``; with fsync (the default) they do. ``durability_settings()``
+    reports the options written with, open or not; the harness claims what the backend
+    does."""
+    from botmesh_testkit.backends.file import FileHarness
+
+    async def main() -> None:
+        unsynced = FileKv(tmp_path / "a.json", append_log=append_log, fsync=False)
+        assert unsynced.capabilities == Capabilities()
+        assert await unsynced.durability_settings() == {"kind": "file", "fsync": "False",
+                                                        "append_log": str(append_log)}
+        d = await FileDurability.open(tmp_path / "b.json", append_log=append_log, fsync=False)
+        assert d.capabilities == Capabilities() and not d.file_kv.fsync
+        assert await d.durability_settings() == {"kind": "file", "fsync": "False", "append_log": str(append_log)}
+        await d.close()
+        synced = await FileDurability.open(tmp_path / "c.json", append_log=append_log)
+        assert synced.capabilities.survives_crash and synced.file_kv.fsync
+        assert await synced.durability_settings() == {"kind": "file", "fsync": "True", "append_log": str(append_log)}
+        await synced.close()
+        assert FileKv(tmp_path / "d.json").capabilities.survives_crash  # the class's claim, untouched
+        assert FileKv.capabilities.survives_crash
+        assert not FileHarness(str(tmp_path), append_log=append_log, fsync=False).capabilities.survives_crash
+        assert FileHarness(str(tmp_path), append_log=append_log).capabilities.survives_crash
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-7")
+def test_a_subclass_declaring_its_own_capabilities_keeps_them_and_the_settings_tell(tmp_path: Path) -> None:
+    """A subclass that declares capabilities answers for them (they are kept with
+    fsync=False); the settings it reports still say ``fsync=False``, which is what the
+    claims check refuses. The settings reach a crashable wrapper and the reference kv
+    reports none."""
+    from botmesh_testkit.crash import crashable
+
+    class Claims(FileKv):
+        capabilities = Capabilities(survives_crash=True)
+
+    async def main() -> None:
+        kv = Claims(tmp_path / "j.json", fsync=False)
+        assert kv.capabilities.survives_crash
+        backend = crashable(KvDurability(kv))
+        assert backend.capabilities.survives_crash
+        assert (await backend.durability_settings()) == {"kind": "file", "fsync": "False", "append_log": "False"}
+        assert await MemoryKv().durability_settings() is None
+        assert await KvDurability(MemoryKv()).durability_settings() is None
+
+    run(main())

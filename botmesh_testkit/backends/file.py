@@ -27,7 +27,8 @@ class FileHarness(BackendHarness):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(survives_crash=True)
+        # The backend's own claim: without fsync it survives a SIGKILL, not a power cut.
+        return Capabilities(survives_crash=self.fsync)
 
     async def _open(self) -> Any:
         from botmesh.core.file_backend import FileDurability

@@ -13,9 +13,14 @@ Writes (BACK-4, BACK-6):
   truncation is harmless: replay skips entries whose ``seq <= log_seq``.
 * ``fsync`` defaults to ``True`` in both modes (the spec only fixes the append log's
   default; we chose the safe one for the snapshot too): each snapshot is forced to disk
-  before it replaces the previous one, and the directory after the rename. With
-  ``fsync=False`` the rename is still atomic, but may sit in the OS cache through a
-  power cut (a process crash loses nothing either way).
+  before it replaces the previous one, and the directory after the rename, so the
+  replacement is atomic across a power cut too. With ``fsync=False`` nothing is forced
+  to disk: a crash of the *process* (SIGKILL included) still loses nothing, because the
+  operating system's cache outlives it, but a **power cut** may lose every write since
+  the OS last flushed — and, in snapshot mode, may keep the rename while losing the data
+  renamed, leaving an empty or partial snapshot that no longer opens
+  (``SNAPSHOT_CORRUPT``): the rename is atomic only against a process crash. So a
+  journal opened with ``fsync=False`` does not claim ``survives_crash``.
 * A write reaches the file before it reaches memory: a write that raised
   ``BackendUnavailableError`` left memory unchanged and, when the file could be put back
   (a failed append is truncated away), the file too. When the file cannot be put back
@@ -62,7 +67,11 @@ __all__ = ["SNAPSHOT_FORMAT", "FileDurability", "FileKv"]
 class FileDurability(KvDurability):
     """The file durability backend (BACK table): journals in one file, surviving a crash,
     for one process. Open it with :meth:`open`; it stays open across bots until
-    :meth:`close` (``start()``/``stop()`` of a bot do not close it)."""
+    :meth:`close` (``start()``/``stop()`` of a bot do not close it).
+
+    Its capabilities are its kv's: ``survives_crash`` with ``fsync`` (the default); with
+    ``fsync=False`` none — such a journal survives a SIGKILL of the process but not a
+    power cut (see "Writes" in the module docstring)."""
 
     def __init__(self, kv: FileKv, *, own_kv: bool = False, name: str | None = "file") -> None:
         super().__init__(kv, own_kv=own_kv, name=name)
@@ -81,8 +90,9 @@ class FileDurability(KvDurability):
     ) -> FileDurability:
         """Open (creating when missing) the journal at ``path`` (BACK-4). ``append_log``
         — or giving ``compact_every`` / ``compact_bytes`` — appends each write to
-        ``<path>.log``; ``fsync`` (default True) forces each write to disk (BACK-6);
-        ``io`` replaces the OS layer (fault injection). Bad options raise
+        ``<path>.log``; ``fsync`` (default True) forces each write to disk (BACK-6;
+        without it the journal survives a SIGKILL but not a power cut, and claims no
+        ``survives_crash``); ``io`` replaces the OS layer (fault injection). Bad options raise
         ``ConfigError`` naming the option; a locked journal ``JournalLockedError``; a
         damaged one ``JournalCorruptError`` (BACK-5)."""
         kv = FileKv(

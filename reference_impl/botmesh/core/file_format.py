@@ -8,8 +8,10 @@ Files, for a journal opened at ``path``:
 
 ``path``
     The **snapshot**: one JSON document with every record and ``log_seq``, the sequence
-    number of the last append-log entry it includes. Always replaced atomically (written
-    to ``<path>.tmp``, then renamed over ``path``)::
+    number of the last append-log entry it includes. Always replaced by writing
+    ``<path>.tmp`` and renaming it over ``path``: atomic against a crash of the process;
+    against a power cut only with ``fsync``, which forces the data to disk before the
+    rename and the directory after it (without, the rename may land and the data not)::
 
         {"format":"botmesh.file_kv","version":1,"log_seq":42,"records":[
         [scope, space, key, version, due, expires, value],

@@ -85,7 +85,10 @@ class FileKv(DurableKv):
     """A :class:`~botmesh.core.spi.DurableKv` kept in memory and persisted to files
     (docstring of :mod:`botmesh.core.file_backend`). It behaves exactly like
     :class:`~botmesh.core.memory.MemoryKv` and survives a crash of the process; it
-    serves one process only.
+    serves one process only. It claims ``survives_crash`` only with ``fsync`` (the
+    default): without it an acknowledged write survives a SIGKILL (it is in the
+    operating system's cache) but not a power cut, so ``FileKv(fsync=False)`` claims
+    nothing (its ``capabilities`` are all False).
 
     Options (each validated, a bad one raises :class:`~botmesh.core.errors.ConfigError`
     naming it):
@@ -94,7 +97,8 @@ class FileKv(DurableKv):
       snapshot. Giving ``compact_every`` or ``compact_bytes`` turns it on as well.
     * ``compact_every`` (1000), ``compact_bytes`` (4 MiB) — when to fold the log into
       the snapshot.
-    * ``fsync`` (True) — force each snapshot and each log append to disk (BACK-6).
+    * ``fsync`` (True) — force each snapshot and each log append to disk (BACK-6);
+      False gives up ``survives_crash`` (see above).
     * ``io`` — the :class:`~botmesh.core.fileio.FileIO` doing the OS calls (faults).
 
     Differences from ``MemoryKv`` only for inputs it would not be able to store:
@@ -131,6 +135,11 @@ class FileKv(DurableKv):
         self._compact_every = DEFAULT_COMPACT_EVERY if compact_every is None else compact_every
         self._compact_bytes = DEFAULT_COMPACT_BYTES if compact_bytes is None else compact_bytes
         self._fsync = True if fsync is None else fsync
+        if not self._fsync and type(self).capabilities is FileKv.capabilities:
+            # Without fsync an acknowledged write is only in the OS cache: it survives the
+            # process, not a power cut, and survives_crash promises both (issue 11). A
+            # subclass that declares capabilities of its own answers for them.
+            self.capabilities = Capabilities()
 
         self._records: Records = {}
         self._seq = 0  # seq of the last write committed (log_seq of a snapshot written now)
@@ -171,6 +180,18 @@ class FileKv(DurableKv):
     def is_open(self) -> bool:
         """Whether the journal is open in this object."""
         return self._is_open
+
+    @property
+    def fsync(self) -> bool:
+        """Whether each write is forced to disk before it returns."""
+        return self._fsync
+
+    async def durability_settings(self) -> dict[str, str]:
+        """``{"kind": "file", "fsync": ..., "append_log": ...}`` (``"True"``/``"False"``):
+        the options this journal writes with (see
+        :meth:`DurableKv.durability_settings <botmesh.core.spi.DurableKv.durability_settings>`).
+        Open or not: they are fixed when the kv is built."""
+        return {"kind": "file", "fsync": str(self._fsync), "append_log": str(self._append_log)}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def open(self) -> None:
@@ -381,7 +402,9 @@ class FileKv(DurableKv):
         self._records = records
 
     def _write_snapshot(self, records: Records, log_seq: int) -> None:
-        """Replace the snapshot atomically (BACK-6). Raises ``_SnapshotWriteFailed``."""
+        """Replace the snapshot by a rename (BACK-6): atomic against a process crash, and
+        against a power cut with ``fsync`` only (data forced before the rename, the
+        directory after). Raises ``_SnapshotWriteFailed``."""
         data = snapshot_bytes(records, log_seq)
         tmp = self._path + ".tmp"
         try:

@@ -32,7 +32,11 @@ class Capabilities:
     claims, and a skipped test names the claim that was not made.
 
     * ``survives_crash`` — an acknowledged write is still there after the process dies
-      (and is reopened on the same path / server).
+      *or the machine loses power* (and is reopened on the same path / server): it was
+      on stable storage before it was acknowledged. Surviving a SIGKILL alone is not
+      enough — the operating system's page cache outlives the process, not a power cut.
+      The settings such a claim rests on may be reported by ``durability_settings()``
+      (see :class:`~botmesh.core.spi.DurableKv`), and are then checked against it.
     * ``multi_process`` — several processes of one host may use it at once; claims stay
       exclusive across them.
     * ``multi_host`` — several hosts may use it at once.
