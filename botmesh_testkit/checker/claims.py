@@ -5,8 +5,9 @@ kill or a power cut — what a user pointing the plugin at a managed server gets
 A backend reports what it really runs with through ``durability_settings()`` (see
 :meth:`botmesh.core.backend.DurabilityBackend.durability_settings`): a mapping with a
 ``"kind"`` (``"sqlite"``, ``"postgres"``, ``"redis"``, ``"file"``) and the values read
-from its live connection or configuration. :func:`settings_violations` holds them to the
-rules below; a kind it does not know is not judged.
+from its live connection or configuration (a setting it could not read left out, with
+``"unreadable"`` saying why). :func:`settings_violations` holds them to the rules below;
+a kind it does not know is not judged.
 
 * SQLite: ``PRAGMA synchronous`` must be ``FULL`` (2) or ``EXTRA`` (3) — with WAL,
   ``NORMAL`` commits without syncing the log, so a power cut loses acknowledged
@@ -60,11 +61,13 @@ def settings_violations(settings: Mapping[str, object], *, backend: str = "the b
     when its kind is not known). A setting the rules need and ``settings`` lacks is a
     violation too: the claim cannot be verified."""
     kind = str(settings.get("kind", ""))
+    why = f"; {settings['unreadable']}" if settings.get("unreadable") else ""
     found: list[Violation] = []
     for name, acceptable, required in RULES.get(kind, ()):
         if name not in settings:
             found.append(Violation(IDS, f"{backend} claims survives_crash, but its {kind} setting {name!r} could "
-                                        f"not be read (required: {required})"))
+                                        f"not be read: that acknowledged writes survive a power cut cannot be "
+                                        f"verified (required: {required}{why})"))
             continue
         value = str(settings[name])
         if kind == "sqlite" and name == "synchronous":

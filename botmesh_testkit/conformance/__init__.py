@@ -11,6 +11,10 @@ package so that a third party certifies its backend in its own repository.
   every INB, OUT, LEASE, SCOPE and OPS requirement the backend contract makes checkable
   and the declared capabilities make applicable (survival of a crash, several processes
   on one storage), plus a few end-to-end checks through a ``Bot``.
+* :mod:`botmesh_testkit.conformance.claims` — :class:`ClaimsConformance`: a backend
+  that claims ``survives_crash`` runs on settings that can give it (read live through
+  ``durability_settings()``: SQLite ``synchronous``, PostgreSQL ``synchronous_commit``,
+  Redis ``appendfsync`` ...), checked without a kill.
 * :mod:`botmesh_testkit.conformance.faults` — :class:`ServerFaultConformance`, for
   backends on a server: the backend reaches it through a
   :class:`~botmesh_testkit.faultproxy.FaultProxy` (a write whose reply is lost, reset
@@ -51,8 +55,16 @@ The tests carry ``@pytest.mark.spec(<ids>)``. The testkit's pytest plugin (entry
 
 from __future__ import annotations
 
+from .claims import ClaimsConformance
 from .durability import DurabilityConformance, HarnessFactory
 from .faults import ServerFaultConformance
 from .kv import DurableKvConformance, KvFactory
 
-__all__ = ["DurabilityConformance", "DurableKvConformance", "HarnessFactory", "KvFactory", "ServerFaultConformance"]
+__all__ = [
+    "ClaimsConformance",
+    "DurabilityConformance",
+    "DurableKvConformance",
+    "HarnessFactory",
+    "KvFactory",
+    "ServerFaultConformance",
+]

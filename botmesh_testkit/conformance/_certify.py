@@ -12,9 +12,17 @@ import pytest
 
 from ..backends.base import BackendHarness
 from ..backends.registry import resolve
+from .claims import ClaimsConformance
 from .durability import DurabilityConformance
 from .faults import ServerFaultConformance
 from .kv import DurableKvConformance, KvFactory
+
+
+# First: the cheapest check, and the one a managed server that cannot be killed gets.
+class TestClaims(ClaimsConformance):
+    @pytest.fixture
+    def botmesh_harness_factory(self, botmesh_certified_backend: str) -> Callable[[str], BackendHarness]:
+        return resolve(botmesh_certified_backend)
 
 
 class TestDurability(DurabilityConformance):
