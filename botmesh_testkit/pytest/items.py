@@ -201,6 +201,40 @@ class PowerCutItem(pytest.Item):
         return "botmesh-powercuts", 0, self.name
 
 
+class IoErrorItem(pytest.Item):
+    """The I/O-error loop (:mod:`botmesh_testkit.matrix.io_errors`) on one backend: each
+    file-system operation of a short workload fails once, in turn."""
+
+    def __init__(self, *, backend: str, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.seed = seed
+        self.add_marker(pytest.mark.spec("INB-8", "INB-2", "INB-3", "GUAR-1", "GUAR-2", "OUT-1", "OUT-2"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        from ..matrix.io_errors import io_error_loop
+
+        with tempfile.TemporaryDirectory(prefix="botmesh-ioerrors-") as tmp:
+            run = asyncio.run(io_error_loop(self.backend, seed=self.seed, workdir=tmp))
+        if isinstance(run, str):
+            pytest.skip(run)
+        self.user_properties.append(("botmesh_kill_report", run.report().splitlines()[0:2]))
+        if not run.passed:
+            self.user_properties.append(("botmesh_violated", tuple(run.violated_ids())))
+            raise CellFailed(run.report() + f"\n  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=powercuts "
+                                            f"--botmesh-matrix={matrix_name(self.config)} "
+                                            f"-k {shlex.quote(f'{self.backend}/io-errors')}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-powercuts", 0, self.name
+
+
 class ServiceSkipItem(pytest.Item):
     """Stands for the items of a backend whose server could not be provisioned (or of a
     part that cannot run on this machine: ``backend`` names whose part it counts in)."""
@@ -303,7 +337,7 @@ def powercut_items(session: pytest.Session, config: pytest.Config, backends: lis
 
     profile = load_profile(matrix_name(config))
     targets = [b for b in backends if powercuts_apply(b)]
-    if not profile.power_cuts or not targets:
+    if not (profile.power_cuts or profile.io_errors) or not targets:
         return []
     from ..crash.fs.mount import unavailable_reason
 
@@ -316,10 +350,13 @@ def powercut_items(session: pytest.Session, config: pytest.Config, backends: lis
                 for b in targets]
     items: list[pytest.Item] = []
     for backend in targets:
-        for policy in profile.policies:
+        for policy in profile.policies if profile.power_cuts else ():
             name = f"botmesh-powercuts::{backend}/{policy}/{profile.power_cuts}-cuts"
             items.append(PowerCutItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
                                                   cuts=profile.power_cuts, messages=profile.kill_messages, seed=seed))
+        if profile.io_errors:
+            name = f"botmesh-powercuts::{backend}/io-errors"
+            items.append(IoErrorItem.from_parent(session, name=name, nodeid=name, backend=backend, seed=seed))
     return items
 
 

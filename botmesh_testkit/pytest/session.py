@@ -62,8 +62,9 @@ class BotmeshSession:
             profile = load_profile(matrix_name(self.config))
             if not profile.kills:
                 why.setdefault("kills", f"profile {profile.name!r} has no kill loops (kills = 0)")
-            if not profile.power_cuts:
-                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0)")
+            if not profile.power_cuts and not profile.io_errors:
+                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0) "
+                                            "and no I/O-error loop")
         except ValueError:
             pass
         if self.config.getoption("--botmesh-cell"):
