@@ -17,7 +17,11 @@ test items beside the project's own tests (``--botmesh-parts`` picks some):
   ``smoke``), one item per cell, named ``botmesh-matrix::BACKEND/WORKLOAD/POLICY/WHEN:POINT#N``;
 * ``kills`` — the profile's real kill loops (``kills = N``): a child process running
   the bot on the backend is killed with SIGKILL N times per policy
-  (:mod:`botmesh_testkit.kill`), for backends that claim ``survives_crash``.
+  (:mod:`botmesh_testkit.kill`), for backends that claim ``survives_crash``;
+* ``powercuts`` — the profile's power-cut loops (``power_cuts = N``): the kill loop with
+  the backend's storage on a FUSE file system that loses every unsynced write, a power
+  cut at every kill (:mod:`botmesh_testkit.kill.powercut`), for backends that claim
+  ``survives_crash`` and keep their storage in the workdir.
 
 A failing item prints the violated requirement ids, what happened and the command that
 reproduces it. The terminal summary lists, per backend, the requirement ids held and
@@ -100,6 +104,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     default=os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"),
                     help="fail (instead of skipping) when a PostgreSQL or Redis server cannot be provisioned "
                          "(default: on when $BOTMESH_REQUIRE_SERVICES is set, as .ci/run does)")
+    group.addoption("--botmesh-require-powercuts", action="store_true", default=False,
+                    help="fail (instead of skipping) when the power-cut file system cannot be mounted here "
+                         "(also implied by --botmesh-require-services)")
     group.addoption("--botmesh-postgres-url", default=None, metavar="URL",
                     help="PostgreSQL server for the postgres backend (else $BOTMESH_POSTGRES_URL, else a private server)")
     group.addoption("--botmesh-redis-url", default=None, metavar="URL",
@@ -219,7 +226,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     import shlex
 
-    from .pytest.items import ServiceSkipItem, kill_items, matrix_items, scenario_items, suite_items
+    from .pytest.items import ServiceSkipItem, kill_items, matrix_items, powercut_items, scenario_items, suite_items
     from .scenario.collect import shipped_dir
 
     state = session_of(config)
@@ -249,6 +256,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             added += matrix_items(session, config, backend, state.seed)
     if "kills" in chosen and not only_cell:
         added += kill_items(session, config, live, state.seed)
+    if "powercuts" in chosen and not only_cell:
+        added += powercut_items(session, config, live, state.seed)
     for item in added:
         marker = item.get_closest_marker("spec")
         if marker is not None:

@@ -116,6 +116,8 @@ class KillLoop:
         cycle_timeout: float = 20.0,
         max_self_deaths: int | None = None,
         progress: Callable[[str], None] | None = None,
+        after_kill: Callable[[int], str | None] | None = None,
+        label: str = "kill loop",
     ) -> None:
         if on_ambiguous not in POLICIES:
             raise ValueError(f"on_ambiguous must be one of {POLICIES}, got {on_ambiguous!r}")
@@ -145,6 +147,11 @@ class KillLoop:
         self.cycle_timeout = cycle_timeout
         self.max_self_deaths = max_self_deaths if max_self_deaths is not None else 2 * max_attempts * len(self.messages) + 10
         self.progress = progress
+        self.after_kill = after_kill
+        """Called with the kill's number (1-based) once the killed child is gone and
+        before the next one starts — the power-cut loop cuts the power there; what it
+        returns is added to the kill's point in the report."""
+        self.label = label
         self.runs: list[Run] = []
         self._kw = dict(messages=messages if isinstance(messages, int) else len(self.messages), kills=kills, seed=seed,
                         on_ambiguous=on_ambiguous, chats=chats, max_attempts=max_attempts, lease_ms=lease_ms,
@@ -374,7 +381,12 @@ class KillLoop:
                 point = (f"after {1000.0 * (time.monotonic() - inc.started):.0f} ms"
                          + (f", last marker {last}" if last else ", before any marker"))
             run.kill(inc, point)
-            info = KillInfo(inc.n, mode, point if mode != "delay" else (str(last) if last else "startup"), planned)
+            landed = point if mode != "delay" else (str(last) if last else "startup")
+            if self.after_kill is not None:
+                extra = self.after_kill(len(kills) + 1)
+                if extra:
+                    landed = f"{landed}; {extra}"
+            info = KillInfo(inc.n, mode, landed, planned)
             kills.append(info)
             previous_kill, previous_info = inc.killed_at, info
             self._say(f"kill {len(kills)}/{self.kills}: incarnation {inc.n} {mode} at {point}")
@@ -411,5 +423,5 @@ class KillLoop:
             distinct_keys=len({d.key for d in ledger}), inbox_states=dict(Counter(r.state for r in inbox)),
             outbox_states=dict(Counter(r.state for r in outbox)), violations=violations, accounting=acc,
             seconds=time.monotonic() - started, kill_phase_seconds=kill_phase, reproduce=self.reproduce(),
-            events=dict(Counter(e.name for e in run.events)), notes=notes, run=run,
+            events=dict(Counter(e.name for e in run.events)), notes=notes, run=run, label=self.label,
         )

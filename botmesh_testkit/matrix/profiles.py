@@ -25,7 +25,7 @@ KILL_MESSAGES = 20
 ``messages`` of :class:`~botmesh_testkit.kill.KillLoop` and the kill command line's
 ``--messages``."""
 
-KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages")
+KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "power_cuts", "io_errors")
 """Every key a profile file may have (``matrices/README.md`` says what each means)."""
 
 
@@ -50,6 +50,13 @@ class Profile:
     kills: int = 0
     """Real SIGKILLs per kill loop (one loop per backend and policy; 0: no kill loops)."""
     kill_messages: int = KILL_MESSAGES
+    power_cuts: int = 0
+    """Kills, each followed by a power cut, per power-cut loop (one loop per backend and
+    policy, over ``kill_messages`` messages; for backends that claim ``survives_crash``
+    and keep their storage in the workdir; 0: no power cuts)."""
+    io_errors: bool = False
+    """Run the I/O-error loop too (every file-system operation of a short workload
+    failed once, in turn; same backends as the power cuts)."""
 
 
 def builtin_names() -> list[str]:
@@ -90,11 +97,14 @@ def load_profile(name_or_path: str) -> Profile:
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ProfileError(f"{path}: random_per_workload must be an integer >= 0, got {count!r}")
     counts = {}
-    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES)):
+    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES), ("power_cuts", 0)):
         value = data.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ProfileError(f"{path}: {key} must be an integer >= 0, got {value!r}")
         counts[key] = value
-    if counts["kills"] and not counts["kill_messages"]:
-        raise ProfileError(f"{path}: kill_messages must be > 0 when kills is set")
-    return Profile(name, str(data.get("description", "")), workloads, policies, count, **counts)
+    if (counts["kills"] or counts["power_cuts"]) and not counts["kill_messages"]:
+        raise ProfileError(f"{path}: kill_messages must be > 0 when kills or power_cuts is set")
+    io_errors = data.get("io_errors", False)
+    if not isinstance(io_errors, bool):
+        raise ProfileError(f"{path}: io_errors must be true or false, got {io_errors!r}")
+    return Profile(name, str(data.get("description", "")), workloads, policies, count, io_errors=io_errors, **counts)

@@ -30,7 +30,8 @@ from .cells import POLICIES, Cell, MatrixResult, Oracle, Outcome, draw_cells
 from .workloads import WORKLOADS, Workload, transient
 
 
-def _world(harness: BackendHarness, w: Workload, policy: str, seed: int) -> World:
+def make_world(harness: BackendHarness, w: Workload, policy: str, seed: int) -> World:
+    """The crash world a cell of workload ``w`` runs in, under ``policy``."""
     return World(
         harness,
         setup=w.setup,
@@ -40,20 +41,21 @@ def _world(harness: BackendHarness, w: Workload, policy: str, seed: int) -> Worl
     )
 
 
-async def _feed(world: World, messages: Iterable[tuple[str, str, str]]) -> None:
+async def feed(world: World, messages: Iterable[tuple[str, str, str]]) -> None:
+    """Deliver ``(chat, text, id)`` messages as the channel would, until a crash."""
     for chat_id, text, id in messages:
         if world.crashed:
             return
         await world.receive(chat_id, text, id=id)
 
 
-async def _play(world: World, w: Workload) -> None:
+async def play(world: World, w: Workload) -> None:
     """Feed the workload, letting time run between stages; stops at a crash."""
-    await _feed(world, w.inbound)
+    await feed(world, w.inbound)
     if not world.crashed:
         await world.drain(DRAIN_MS)
     if w.answers and not world.crashed:
-        await _feed(world, w.answers)
+        await feed(world, w.answers)
         if not world.crashed:
             await world.drain(DRAIN_MS)
 
@@ -62,11 +64,11 @@ async def oracle(backend: str, workload: str, seed: int, workdir: str) -> Oracle
     """A crash-free run: what the workload delivers, and the crash points it passes."""
     w = WORKLOADS[workload]
     harness = resolve(backend)(workdir)
-    world = _world(harness, w, "skip", seed)
+    world = make_world(harness, w, "skip", seed)
     try:
         await world.start(crash=True)  # armed with nothing: records the points passed
         world.channel.fail_next(transient(), times=w.channel_failures)
-        await _play(world, w)
+        await play(world, w)
         assert world.crashable is not None and world.bot is not None and world.bot.durability is not None
         d = world.bot.durability
         inbox = {r.id: r.state for r in await d.inbox.list()}
@@ -87,7 +89,7 @@ class _StoreDown:
         return down
 
 
-async def _recover(world: World, w: Workload) -> None:
+async def recover(world: World, w: Workload) -> None:
     """After a crash: a new bot, then the channel's redeliveries, drained. With
     ``store_down_at_restart`` the bot's store fails during the first sweep pass."""
     await world.restart()
@@ -100,10 +102,10 @@ async def _recover(world: World, w: Workload) -> None:
         finally:
             bot.store = store
     # the channel redelivers everything that was not acknowledged, in order
-    await _feed(world, w.inbound)
+    await feed(world, w.inbound)
     await world.drain(DRAIN_MS)
     if w.answers:
-        await _feed(world, w.answers)
+        await feed(world, w.answers)
         await world.drain(DRAIN_MS)
 
 
@@ -114,7 +116,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
     harness = resolve(cell.backend)(workdir)
-    world = _world(harness, w, cell.policy, seed)
+    world = make_world(harness, w, cell.policy, seed)
     try:
         await world.start(crash=True)
         cb = world.crashable
@@ -126,7 +128,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
         else:
             cb.crash_after(cell.point, cell.nth)
         world.channel.fail_next(transient(), times=w.channel_failures)
-        await _play(world, w)
+        await play(world, w)
         crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)
         recovery_lines: frozenset[int] | None = None
         recovery_note: str | None = None
@@ -134,10 +136,10 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
             from .coverage import measure
 
             with measure() as measured:
-                await _recover(world, w)
+                await recover(world, w)
             recovery_lines, recovery_note = measured.lines, measured.note
         elif crashed:
-            await _recover(world, w)
+            await recover(world, w)
         elif measure_recovery:
             recovery_lines = frozenset()
         outcome = Outcome(cell, crashed, crash_point, history=history,

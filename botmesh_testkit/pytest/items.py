@@ -143,12 +143,107 @@ class KillLoopItem(pytest.Item):
         return "botmesh-kills", 0, self.name
 
 
-class ServiceSkipItem(pytest.Item):
-    """Stands for the items of a backend whose server could not be provisioned."""
+class PowerCutItem(pytest.Item):
+    """A power-cut loop (:mod:`botmesh_testkit.kill.powercut`) on one backend and policy:
+    ``cuts`` SIGKILLs of a child process, each followed by a power cut of the FUSE file
+    system its storage is on."""
 
-    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+    def __init__(self, *, backend: str, policy: str, cuts: int, messages: int, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.policy = policy
+        self.cuts = cuts
+        self.messages = messages
+        self.seed = seed
+        self.add_marker(pytest.mark.spec("GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "INB-1", "INB-2", "OUT-1", "OUT-2",
+                                         "OUT-14", "LEASE-2", "TEST-3"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        from ..kill.powercut import PowerCutHarnessError, power_cut_loop, probe_claims
+        from ..kill.spec import HarnessError
+
+        if not probe_claims(self.backend):
+            pytest.skip(f"capability not claimed: survives_crash (backend {self.backend})")
+        with tempfile.TemporaryDirectory(prefix="botmesh-powercuts-") as tmp:
+            try:
+                run = power_cut_loop(self.backend, cuts=self.cuts, messages=self.messages, seed=self.seed,
+                                     policy=self.policy, workdir=tmp)
+            except PowerCutHarnessError as exc:
+                self.user_properties.append(("botmesh_violated", ()))  # the harness's fault, not the backend's
+                raise CellFailed(f"power-cut loop on {self.backend}: {exc} (a failure of the testkit's file system, "
+                                 "not a violation by the backend)") from None
+            except HarnessError as exc:
+                # a child that dies at once after a power cut: the backend cannot open what the cut left
+                ids = ("GUAR-1", "INB-3", "OUT-1")
+                self.user_properties.append(("botmesh_violated", ids))
+                raise CellFailed(f"power-cut loop on {self.backend}, on_ambiguous={self.policy}, seed {self.seed}: "
+                                 f"FAILED\n  violated [{', '.join(ids)}] the backend does not start on what a power "
+                                 f"cut left of its storage: {str(exc)[-1500:]}\n"
+                                 f"  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=powercuts "
+                                 f"--botmesh-matrix={matrix_name(self.config)} "
+                                 f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}") from None
+        if isinstance(run, str):
+            pytest.skip(run)
+        self.user_properties.append(("botmesh_kill_report", run.report().splitlines()[0:3]))
+        if not run.passed:
+            self.user_properties.append(("botmesh_violated", tuple(sorted(run.result.violated_ids))))
+            raise CellFailed(run.report() + f"\n  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=powercuts "
+                                            f"--botmesh-matrix={matrix_name(self.config)} "
+                                            f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-powercuts", 0, self.name
+
+
+class IoErrorItem(pytest.Item):
+    """The I/O-error loop (:mod:`botmesh_testkit.matrix.io_errors`) on one backend: each
+    file-system operation of a short workload fails once, in turn."""
+
+    def __init__(self, *, backend: str, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.seed = seed
+        self.add_marker(pytest.mark.spec("INB-8", "INB-2", "INB-3", "GUAR-1", "GUAR-2", "OUT-1", "OUT-2"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        from ..matrix.io_errors import io_error_loop
+
+        with tempfile.TemporaryDirectory(prefix="botmesh-ioerrors-") as tmp:
+            run = asyncio.run(io_error_loop(self.backend, seed=self.seed, workdir=tmp))
+        if isinstance(run, str):
+            pytest.skip(run)
+        self.user_properties.append(("botmesh_kill_report", run.report().splitlines()[0:2]))
+        if not run.passed:
+            self.user_properties.append(("botmesh_violated", tuple(run.violated_ids())))
+            raise CellFailed(run.report() + f"\n  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=powercuts "
+                                            f"--botmesh-matrix={matrix_name(self.config)} "
+                                            f"-k {shlex.quote(f'{self.backend}/io-errors')}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-powercuts", 0, self.name
+
+
+class ServiceSkipItem(pytest.Item):
+    """Stands for the items of a backend whose server could not be provisioned (or of a
+    part that cannot run on this machine: ``backend`` names whose part it counts in)."""
+
+    def __init__(self, *, reason: str, backend: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reason = reason
+        if backend is not None:
+            self.user_properties.append(("botmesh_backend", backend))
 
     def runtest(self) -> None:
         pytest.skip(self.reason)
@@ -232,3 +327,47 @@ def suite_items(session: pytest.Session) -> list[pytest.Item]:
     path = Path(_certify.__file__)
     module = pytest.Module.from_parent(session, path=path, nodeid="botmesh-conformance")
     return list(session.genitems(module))
+
+
+def powercut_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:
+    """The profile's power-cut loops: one item per backend (whose storage is in its
+    workdir) and policy; one skip when this machine cannot mount the file system."""
+    from ..matrix.profiles import load_profile
+    from .options import require_powercuts, usage
+
+    profile = load_profile(matrix_name(config))
+    targets = [b for b in backends if powercuts_apply(b)]
+    if not (profile.power_cuts or profile.io_errors) or not targets:
+        return []
+    from ..crash.fs.mount import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if require_powercuts(config):
+            raise usage("--botmesh-parts=powercuts", f"the power-cut file system cannot be mounted here: {reason}")
+        return [ServiceSkipItem.from_parent(session, name=f"botmesh-powercuts::{b}", nodeid=f"botmesh-powercuts::{b}",
+                                            reason=f"power cuts cannot run here: {reason}", backend=b)
+                for b in targets]
+    items: list[pytest.Item] = []
+    for backend in targets:
+        for policy in profile.policies if profile.power_cuts else ():
+            name = f"botmesh-powercuts::{backend}/{policy}/{profile.power_cuts}-cuts"
+            items.append(PowerCutItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
+                                                  cuts=profile.power_cuts, messages=profile.kill_messages, seed=seed))
+        if profile.io_errors:
+            name = f"botmesh-powercuts::{backend}/io-errors"
+            items.append(IoErrorItem.from_parent(session, name=name, nodeid=name, backend=backend, seed=seed))
+    return items
+
+
+def powercuts_apply(backend: str) -> bool:
+    """Whether the power-cut loop reaches ``backend``'s storage (it lives in the
+    harness's workdir: a file system mounted there holds it)."""
+    from ..backends.registry import resolve
+    from ..kill.powercut import storage_on_workdir
+
+    with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+        try:
+            return storage_on_workdir(resolve(backend)(tmp).kill_spec(), tmp)
+        except Exception:  # a harness that cannot even describe its storage: no power cuts to run
+            return False

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PARTS = ("suite", "scenarios", "matrix", "kills")
+PARTS = ("suite", "scenarios", "matrix", "kills", "powercuts")
 """The parts of a certification, in the order they are reported."""
 
 DEFAULT_BACKEND = "sqlite"
@@ -58,6 +58,13 @@ def cell_budget(config: pytest.Config) -> float:
     """Real seconds one crash cell may take (``--botmesh-cell-timeout`` / ini)."""
     given = config.getoption("--botmesh-cell-timeout")
     return float(given if given is not None else config.getini("botmesh_cell_timeout"))
+
+
+def require_powercuts(config: pytest.Config) -> bool:
+    """Whether a machine that cannot mount the power-cut file system is an error
+    (``--botmesh-require-powercuts``, or ``--botmesh-require-services`` as .ci/run sets)
+    rather than one skip per backend."""
+    return bool(config.getoption("--botmesh-require-powercuts") or config.getoption("--botmesh-require-services"))
 
 
 def rerun_base(config: pytest.Config, seed: int) -> str:

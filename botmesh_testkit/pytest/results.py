@@ -19,6 +19,8 @@ class Result(NamedTuple):
     """The requirement ids the item checks (its ``spec`` marker)."""
     violated: tuple[str, ...]
     """The ids it broke (a failing item's own, else its whole marker)."""
+    skip: str = ""
+    """Why it was skipped (empty unless skipped)."""
 
 
 def part_of(nodeid: str) -> str:
@@ -31,6 +33,8 @@ def part_of(nodeid: str) -> str:
         return "suite"
     if nodeid.startswith("botmesh-kills::"):
         return "kills"
+    if nodeid.startswith("botmesh-powercuts::"):
+        return "powercuts"
     if nodeid.startswith("botmesh-services::"):
         return "services"
     return "tests"
@@ -56,7 +60,7 @@ def held_and_broken(rows: Iterable[Result]) -> tuple[list[str], dict[str, int]]:
     the rule of the terminal summary."""
     exercised: set[str] = set()
     broken: Counter[str] = Counter()
-    for _, _, outcome, spec, violated in rows:
+    for _, _, outcome, spec, violated, _ in rows:
         if outcome == "skipped":
             continue
         exercised.update(spec)

@@ -59,8 +59,12 @@ class BotmeshSession:
 
         why = {part: "not selected with --botmesh-parts" for part in PARTS if part not in parts(self.config)}
         try:
-            if not load_profile(matrix_name(self.config)).kills:
-                why.setdefault("kills", f"profile {load_profile(matrix_name(self.config)).name!r} has no kill loops (kills = 0)")
+            profile = load_profile(matrix_name(self.config))
+            if not profile.kills:
+                why.setdefault("kills", f"profile {profile.name!r} has no kill loops (kills = 0)")
+            if not profile.power_cuts and not profile.io_errors:
+                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0) "
+                                            "and no I/O-error loop")
         except ValueError:
             pass
         if self.config.getoption("--botmesh-cell"):
@@ -81,10 +85,12 @@ class BotmeshSession:
             profile = load_profile(matrix_name(self.config)).name
         except ValueError:
             profile = matrix_name(self.config)
+        from .items import powercuts_apply
+
         claims, _, _ = self.probe(name)
         return judge([r for r in self.results if r.backend == name], claims, profile=profile,
                      service_skip=self.service_skips.get(name), interrupted=interrupted,
-                     why_not_run=self.why_not_run())
+                     why_not_run=self.why_not_run(), storage_in_workdir=powercuts_apply(name))
 
     # -- hooks ----------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -98,7 +104,8 @@ class BotmeshSession:
         spec = tuple(props.get("botmesh_spec", ()))
         violated = tuple(props.get("botmesh_violated", spec if outcome == "failed" else ()))
         part = part_of(report.nodeid)
-        self.results.append(Result(str(backend), part, outcome, spec, violated))
+        why = skip_reason(report.longrepr) if outcome == "skipped" else ""
+        self.results.append(Result(str(backend), part, outcome, spec, violated, why))
         if "botmesh_recovery" in props:
             from ..matrix.coverage import RecoveryCoverage
 
@@ -106,7 +113,7 @@ class BotmeshSession:
         if "botmesh_kill_report" in props:
             self.kill_reports.append((str(backend), list(props["botmesh_kill_report"])))
         if outcome == "skipped":
-            self.skip_reasons.append((str(backend), part, skip_reason(report.longrepr)))
+            self.skip_reasons.append((str(backend), part, why))
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         self._summary(terminalreporter, exitstatus)

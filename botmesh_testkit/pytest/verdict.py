@@ -5,8 +5,11 @@ its server could not be had, or the run did not complete. A verdict always names
 profile it rests on: a smoke run is a certification *at smoke*.
 
 Required parts: ``suite``, ``scenarios`` and ``matrix`` for every backend; ``kills``
-when it claims ``survives_crash`` (a claim only a real process death can test). A backend
-that claims nothing is certified on the three in-process parts.
+when it claims ``survives_crash`` (a claim only a real process death can test), and
+``powercuts`` too when its storage lives in the workdir, where the power-cut file system
+can be mounted (a SIGKILL leaves the page cache intact: only a power cut tests fsync). A
+backend that claims nothing is certified on the three in-process parts. Backends on a
+server are not power-cut yet (their data directory would have to be on the mount).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ BY_CLAIM: dict[str, tuple[str, ...]] = {"survives_crash": ("kills",)}
 """The parts a claim adds."""
 
 
-def required_parts(claims: Mapping[str, bool] | None) -> tuple[str, ...]:
+def required_parts(claims: Mapping[str, bool] | None, *, storage_in_workdir: bool = False) -> tuple[str, ...]:
     """The parts a backend making ``claims`` must pass (None: claims unknown — only the
-    parts every backend needs)."""
+    parts every backend needs); ``storage_in_workdir`` adds the power cuts to a
+    ``survives_crash`` claim."""
     parts = list(ALWAYS)
     for claim, more in BY_CLAIM.items():
         if claims and claims.get(claim):
             parts.extend(p for p in more if p not in parts)
+    if claims and claims.get("survives_crash") and storage_in_workdir:
+        parts.append("powercuts")
     return tuple(parts)
 
 
@@ -59,11 +65,11 @@ class Verdict:
 
 def judge(rows: Iterable[Result], claims: Mapping[str, bool] | None, *, profile: str,
           service_skip: str | None = None, interrupted: str | None = None,
-          why_not_run: Mapping[str, str] | None = None) -> Verdict:
+          why_not_run: Mapping[str, str] | None = None, storage_in_workdir: bool = False) -> Verdict:
     """The verdict on one backend from its items' results. ``why_not_run`` may say why a
     part has no item (``"not selected with --botmesh-parts"`` ...)."""
     rows = list(rows)
-    required = required_parts(claims)
+    required = required_parts(claims, storage_in_workdir=storage_in_workdir)
     reasons: list[str] = []
     if service_skip:
         reasons.append(f"service skipped: {service_skip}")
@@ -84,7 +90,8 @@ def judge(rows: Iterable[Result], claims: Mapping[str, bool] | None, *, profile:
             continue
         missing.append(part)
         if mine:
-            why = f"every item skipped ({len(mine)})"
+            reasons_seen = sorted({r.skip for r in mine if r.skip})
+            why = f"every item skipped ({len(mine)})" + (f": {'; '.join(reasons_seen)}" if reasons_seen else "")
         else:
             why = (why_not_run or {}).get(part, "no item ran")
         reasons.append(f"{part} did not run ({why})")

@@ -293,7 +293,13 @@ class DurabilityRuntime(Generic[CtxT]):
                 self._count("inbound_duplicates")
                 return True
             self._count("inbound_journaled")
-            await self._execute(stored, event)
+            try:
+                await self._execute(stored, event)
+            except Exception as exc:
+                # the inbound is journaled (the channel may acknowledge it), but settling it
+                # failed (its completion or retry could not be written): its lease runs out
+                # and the sweep finishes it, answered from the outbox (INB-2, INB-3)
+                await self.bot.emit("error", {"error": exc, "stage": "inbox.settle", "id": event.id})
             return True
 
     async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:

@@ -1,0 +1,134 @@
+"""I/O errors beneath the driver (INB-8, INB-2, INB-3): the I/O-error loop of the
+``powercuts`` part fails every file-system operation of a short workload once, in turn,
+on the FUSE file system; the bot must fail closed, lose nothing and apply nothing in
+part. And the engine bug it found: a journal write failing while an inbound is settled
+escaped ``Provider.deliver``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from botmesh.core import Bot, MemoryDurability
+from botmesh.core.errors import BackendUnavailableError
+from botmesh_testkit.backends import MemoryHarness
+from botmesh_testkit.crash import World
+
+pytest_plugins = ["pytester"]
+
+RUN = ("-p", "no:cacheprovider", "-p", "no:benchmark")
+PROFILE = 'description = "the I/O-error loop only"\nworkloads = ["one-send"]\nkills = 0\nio_errors = true\n'
+
+
+def _require_fuse() -> None:
+    from botmesh_testkit.crash.fs import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"):
+            pytest.fail(f"the I/O-error loop must run here (BOTMESH_REQUIRE_SERVICES), but: {reason}")
+        pytest.skip(f"the I/O-error loop cannot run here: {reason}")
+
+
+class _CompleteFailsOnce(MemoryDurability):
+    """The inbox's completion cannot be written, once."""
+
+    failed = False
+
+    async def inbox_complete(self, *args: Any, **kwargs: Any) -> bool:
+        if not self.failed:
+            self.failed = True
+            raise BackendUnavailableError("disk I/O error (injected)")
+        return await super().inbox_complete(*args, **kwargs)
+
+
+@pytest.mark.spec("INB-2", "INB-3", "INB-8")
+async def test_a_failed_settle_is_an_error_event_and_the_sweep_finishes_the_inbound() -> None:
+    """Journaled, handled, and then its completion could not be written: deliver() still
+    reports the event taken (it is in the journal), an ``error`` event says what
+    failed, and after the lease the sweep finishes it — the reply sent once."""
+    harness = MemoryHarness()
+    harness.backend = _CompleteFailsOnce()
+
+    async def opened() -> Any:
+        return harness.backend, harness.store
+
+    def setup(bot: Bot) -> None:
+        @bot.when("hi")
+        async def hi(ctx: Any) -> None:
+            await ctx.reply("hello")
+
+    from botmesh.core import MemoryStore
+
+    harness.store = MemoryStore()
+    harness.open = opened  # type: ignore[method-assign]
+    world = World(harness, setup=setup)
+    await world.start()
+    assert await world.receive("c1", "hi", id="m1") is True
+    assert [e["stage"] for e in world.named("error")] == ["inbox.settle"]
+    await world.drain()
+    assert world.channel.texts() == ["hello"]
+    assert world.bot is not None and world.bot.durability is not None
+    assert [r.state for r in await world.bot.durability.inbox.list()] == ["done"]
+    await world.close()
+
+
+@pytest.mark.spec("INB-8", "INB-2", "GUAR-1", "GUAR-2", "OUT-1")
+def test_every_io_of_the_workload_failed_once_loses_nothing_on_the_embedded_backends(pytester: pytest.Pytester) -> None:
+    _require_fuse()
+    pytester.makefile(".toml", io=PROFILE)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=file", "--botmesh-backend=file+log",
+                                           "--botmesh-backend=sqlite", "--botmesh-parts=powercuts",
+                                           "--botmesh-matrix=io.toml", "--botmesh-seed=2", "--botmesh-require-powercuts")
+    out = result.stdout.str()
+    assert result.ret == 0, out[-4000:]
+    result.assert_outcomes(passed=3)
+    for backend in ("file", "file+log", "sqlite"):
+        result.stdout.fnmatch_lines([f"*I/O-error loop on {backend}: passed*",
+                                     "*failed once each, in turn: *; faults that fired: *; outcomes that broke a "
+                                     "guarantee: 0*"])
+
+
+LEAKY_ENGINE = '''
+from botmesh.core.engine import DurabilityRuntime
+from botmesh.core.records import InboxRecord
+
+
+async def admit(self, event):
+    """The engine before the I/O-error loop found it: a journal write failing while the
+    inbound is settled escapes deliver()."""
+    now = self._now()
+    record = InboxRecord(id=event.id, kind=event.kind, chat_id=event.chat_id, event=self._serialize_event(event),
+                         state="leased", attempts=1, token=1, owner=self.instance_id, incarnation=self.incarnation,
+                         lease_until=now + self.config.inbox.lease_ms, claimed_at=now, created_at=now, updated_at=now)
+    try:
+        stored, created = await self.backend.inbox_journal(self.scope, record)
+    except Exception as exc:
+        self.bot.forget_seen(event.id)
+        await self.bot.emit("error", {"error": exc, "stage": "inbox.journal", "id": event.id})
+        return False
+    if created:
+        await self._execute(stored, event)
+    return True
+
+
+DurabilityRuntime.admit = admit
+'''
+
+
+@pytest.mark.spec("INB-8", "INB-2")
+def test_an_engine_whose_deliver_raises_on_an_io_error_is_caught(pytester: pytest.Pytester) -> None:
+    """The bug the loop found, planted again: the loop fails naming INB-8 and the
+    operation, with a rerun command."""
+    _require_fuse()
+    pytester.makefile(".toml", io=PROFILE)
+    pytester.makeconftest(LEAKY_ENGINE)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=sqlite", "--botmesh-parts=powercuts",
+                                           "--botmesh-matrix=io.toml", "--botmesh-seed=2", "--botmesh-require-powercuts")
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-4000:]
+    result.stdout.fnmatch_lines(["*I/O-error loop on sqlite: FAILED*", "*operation #* failing with EIO:*",
+                                 "*violated [[]INB-8, INB-2[]] operation #* failing made Provider.deliver raise *",
+                                 "*rerun: pytest --botmesh-backend=sqlite*io-errors*"])
