@@ -69,8 +69,8 @@ from .loop import KillLoop
 from .powercut import CUT_MODES, PowerCutHarnessError, PowerCutRun
 from .spec import HarnessError
 
-__all__ = ["POSTGRES_POWERCUT_SETTINGS", "SERVER_KINDS", "PowerCutServerRun", "ServerDidNotRecover",
-           "power_cut_server_loop"]
+__all__ = ["POSTGRES_POWERCUT_SETTINGS", "SERVER_KINDS", "PowerCutServerRun", "ServerDidNotRecover", "ServerKind",
+           "power_cut_server_loop", "server_unavailable_reason"]
 
 SERVER_KINDS = ("postgres", "redis")
 """The server backends the loop runs."""
@@ -80,6 +80,7 @@ POSTGRES_POWERCUT_SETTINGS: Mapping[str, str] = {"recovery_init_sync_method": "s
 the start-up fsync of every file is a no-op after a power cut, and slow through FUSE)."""
 
 ServerKind = Literal["postgres", "redis"]
+"""The ``kind`` of :func:`power_cut_server_loop`."""
 
 
 class ServerDidNotRecover(HarnessError):
@@ -142,8 +143,9 @@ def _redis_on(workdir: str, datadir: Path, settings: Mapping[str, str]) -> Priva
                         appendfsync=settings.get("appendfsync", "always"), extra_args=[*extra, "--dir", str(datadir)])
 
 
-def _unavailable(kind: str) -> str | None:
-    """Why ``kind``'s server cannot run on this machine, or None."""
+def server_unavailable_reason(kind: str) -> str | None:
+    """Why a private ``kind`` server (``"postgres"``, ``"redis"``) cannot run on this
+    machine (no binaries, no client library), or None."""
     if kind == "postgres":
         if find_postgres_bindir() is None:
             return "no PostgreSQL binaries (postgres, initdb) on this machine"
@@ -214,7 +216,7 @@ def power_cut_server_loop(
     for mode in modes:
         if mode not in CUT_MODES:
             raise ValueError(f"cut modes must be among {CUT_MODES}, got {mode!r}")
-    reason = _unavailable(kind)
+    reason = server_unavailable_reason(kind)
     if reason is not None:
         return f"backend {kind}: power cuts of a private server cannot run here: {reason}"
     settings = dict(settings or {})
