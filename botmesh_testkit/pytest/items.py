@@ -9,7 +9,7 @@ import os
 import shlex
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
@@ -170,7 +170,8 @@ class PowerCutItem(pytest.Item):
         with tempfile.TemporaryDirectory(prefix="botmesh-powercuts-") as tmp:
             try:
                 if self.backend in SERVER_KINDS:  # a private server whose data directory is on the mount
-                    run: Any = power_cut_server_loop(self.backend, cuts=self.cuts, messages=self.messages,
+                    kind: Literal["postgres", "redis"] = "postgres" if self.backend == "postgres" else "redis"
+                    run: Any = power_cut_server_loop(kind, cuts=self.cuts, messages=self.messages,
                                                      seed=self.seed, policy=self.policy, workdir=tmp)
                 else:
                     run = power_cut_loop(self.backend, cuts=self.cuts, messages=self.messages, seed=self.seed,
