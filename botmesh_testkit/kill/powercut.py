@@ -12,7 +12,7 @@ loop's rules (:func:`botmesh_testkit.checker.judge.judge`).
 Applies to backends whose storage lives in the harness's workdir (``file``,
 ``file+log``, ``sqlite``, a factory taking the workdir): :func:`storage_on_workdir`.
 Backends on a server (PostgreSQL, Redis) need a private server whose data directory is
-on the mount; that is not built yet, so their power cuts are not run.
+on the mount: :mod:`.powercut_server` (:func:`~.powercut_server.power_cut_server_loop`).
 """
 
 from __future__ import annotations

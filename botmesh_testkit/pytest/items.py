@@ -9,7 +9,7 @@ import os
 import shlex
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
@@ -163,12 +163,19 @@ class PowerCutItem(pytest.Item):
         from ..kill.powercut import PowerCutHarnessError, power_cut_loop, probe_claims
         from ..kill.spec import HarnessError
 
-        if not probe_claims(self.backend):
+        from ..kill.powercut_server import SERVER_KINDS, power_cut_server_loop
+
+        if self.backend not in SERVER_KINDS and not probe_claims(self.backend):
             pytest.skip(f"capability not claimed: survives_crash (backend {self.backend})")
         with tempfile.TemporaryDirectory(prefix="botmesh-powercuts-") as tmp:
             try:
-                run = power_cut_loop(self.backend, cuts=self.cuts, messages=self.messages, seed=self.seed,
-                                     policy=self.policy, workdir=tmp)
+                if self.backend in SERVER_KINDS:  # a private server whose data directory is on the mount
+                    kind: Literal["postgres", "redis"] = "postgres" if self.backend == "postgres" else "redis"
+                    run: Any = power_cut_server_loop(kind, cuts=self.cuts, messages=self.messages,
+                                                     seed=self.seed, policy=self.policy, workdir=tmp)
+                else:
+                    run = power_cut_loop(self.backend, cuts=self.cuts, messages=self.messages, seed=self.seed,
+                                         policy=self.policy, workdir=tmp)
             except PowerCutHarnessError as exc:
                 self.user_properties.append(("botmesh_violated", ()))  # the harness's fault, not the backend's
                 raise CellFailed(f"power-cut loop on {self.backend}: {exc} (a failure of the testkit's file system, "
@@ -335,6 +342,8 @@ def powercut_items(session: pytest.Session, config: pytest.Config, backends: lis
     from ..matrix.profiles import load_profile
     from .options import require_powercuts, usage
 
+    from ..kill.powercut_server import SERVER_KINDS
+
     profile = load_profile(matrix_name(config))
     targets = [b for b in backends if powercuts_apply(b)]
     if not (profile.power_cuts or profile.io_errors) or not targets:
@@ -354,17 +363,23 @@ def powercut_items(session: pytest.Session, config: pytest.Config, backends: lis
             name = f"botmesh-powercuts::{backend}/{policy}/{profile.power_cuts}-cuts"
             items.append(PowerCutItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
                                                   cuts=profile.power_cuts, messages=profile.kill_messages, seed=seed))
-        if profile.io_errors:
+        if profile.io_errors and backend not in SERVER_KINDS:  # the I/O-error loop runs in-process on files
             name = f"botmesh-powercuts::{backend}/io-errors"
             items.append(IoErrorItem.from_parent(session, name=name, nodeid=name, backend=backend, seed=seed))
     return items
 
 
 def powercuts_apply(backend: str) -> bool:
-    """Whether the power-cut loop reaches ``backend``'s storage (it lives in the
-    harness's workdir: a file system mounted there holds it)."""
+    """Whether the power-cut loop reaches ``backend``'s storage: it lives in the
+    harness's workdir (a file system mounted there holds it), or it is ``postgres`` /
+    ``redis`` and this machine has the server's binaries (a private server is started with
+    its data directory on the mount)."""
     from ..backends.registry import resolve
     from ..kill.powercut import storage_on_workdir
+    from ..kill.powercut_server import SERVER_KINDS, server_unavailable_reason
+
+    if backend in SERVER_KINDS:
+        return server_unavailable_reason(backend) is None
 
     with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
         try:

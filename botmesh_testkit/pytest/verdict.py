@@ -8,8 +8,9 @@ Required parts: ``suite``, ``scenarios`` and ``matrix`` for every backend; ``kil
 when it claims ``survives_crash`` (a claim only a real process death can test), and
 ``powercuts`` too when its storage lives in the workdir, where the power-cut file system
 can be mounted (a SIGKILL leaves the page cache intact: only a power cut tests fsync). A
-backend that claims nothing is certified on the three in-process parts. Backends on a
-server are not power-cut yet (their data directory would have to be on the mount).
+backend that claims nothing is certified on the three in-process parts. ``postgres`` and
+``redis`` are power-cut on a private server of the same binaries whose data directory is
+on the mount (a server given by URL cannot be cut: its settings are checked instead).
 """
 
 from __future__ import annotations
