@@ -19,7 +19,22 @@ if TYPE_CHECKING:
     from ..matrix.cells import Cell, Oracle, Outcome
 
 
-class MatrixCellItem(pytest.Item):
+class CellFailed(Exception):
+    """A crash cell broke a guarantee; the message is the cell's report."""
+
+
+class ReportingItem(pytest.Item):
+    """An item of the plugin whose failure is its own report (:class:`CellFailed`: the
+    violated ids, what happened, the command that reproduces it) rather than a
+    traceback; anything else is shown as pytest shows it."""
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+
+class MatrixCellItem(ReportingItem):
     """One crash-matrix cell as a test item."""
 
     def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, **kwargs: Any) -> None:
@@ -58,20 +73,11 @@ class MatrixCellItem(pytest.Item):
         if not self.outcome.passed:
             raise CellFailed(self.outcome.report(self.seed))
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        if isinstance(excinfo.value, CellFailed):
-            return str(excinfo.value)
-        return str(super().repr_failure(excinfo))
-
     def reportinfo(self) -> tuple[str, int, str]:
         return "botmesh-matrix", 0, f"crash cell {self.cell.id}"
 
 
-class CellFailed(Exception):
-    """A crash cell broke a guarantee; the message is the cell's report."""
-
-
-class BrokenDryRunItem(pytest.Item):
+class BrokenDryRunItem(ReportingItem):
     """Stands for the cells of a workload whose crash-free dry run failed."""
 
     def __init__(self, *, backend: str, message: str, **kwargs: Any) -> None:
@@ -83,14 +89,11 @@ class BrokenDryRunItem(pytest.Item):
     def runtest(self) -> None:
         raise CellFailed(self.message)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        return str(excinfo.value)
-
     def reportinfo(self) -> tuple[str, int, str]:
         return "botmesh-matrix", 0, self.name
 
 
-class KillLoopItem(pytest.Item):
+class KillLoopItem(ReportingItem):
     """A real kill loop (:class:`~botmesh_testkit.kill.KillLoop`) on one backend and
     policy: ``kills`` SIGKILLs of a child process running the bot."""
 
@@ -134,16 +137,11 @@ class KillLoopItem(pytest.Item):
                                                f"--botmesh-matrix={matrix} "
                                                f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}")
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        if isinstance(excinfo.value, CellFailed):
-            return str(excinfo.value)
-        return str(super().repr_failure(excinfo))
-
     def reportinfo(self) -> tuple[str, int, str]:
         return "botmesh-kills", 0, self.name
 
 
-class PowerCutItem(pytest.Item):
+class PowerCutItem(ReportingItem):
     """A power-cut loop (:mod:`botmesh_testkit.kill.powercut`) on one backend and policy:
     ``cuts`` SIGKILLs of a child process, each followed by a power cut of the FUSE file
     system its storage is on."""
@@ -199,16 +197,11 @@ class PowerCutItem(pytest.Item):
                                             f"--botmesh-matrix={matrix_name(self.config)} "
                                             f"-k {shlex.quote(f'{self.backend}/{self.policy}/')}")
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        if isinstance(excinfo.value, CellFailed):
-            return str(excinfo.value)
-        return str(super().repr_failure(excinfo))
-
     def reportinfo(self) -> tuple[str, int, str]:
         return "botmesh-powercuts", 0, self.name
 
 
-class IoErrorItem(pytest.Item):
+class IoErrorItem(ReportingItem):
     """The I/O-error loop (:mod:`botmesh_testkit.matrix.io_errors`) on one backend: each
     file-system operation of a short workload fails once, in turn."""
 
@@ -232,11 +225,6 @@ class IoErrorItem(pytest.Item):
             raise CellFailed(run.report() + f"\n  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=powercuts "
                                             f"--botmesh-matrix={matrix_name(self.config)} "
                                             f"-k {shlex.quote(f'{self.backend}/io-errors')}")
-
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        if isinstance(excinfo.value, CellFailed):
-            return str(excinfo.value)
-        return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[str, int, str]:
         return "botmesh-powercuts", 0, self.name
