@@ -69,6 +69,15 @@ class CrashableBackend(InterceptedBackend):
         self._rules.append(_Rule(when, None, n))
         return self
 
+    def arm(self, when: str, point: str, nth: int) -> CrashableBackend:
+        """Die ``when`` (``"before"``/``"after"``) the ``nth`` call of ``point`` — or, with
+        ``point == "*"``, at the ``nth`` crash point passed, whatever it is."""
+        if point == "*":
+            return self.crash_at(nth, when)
+        if when == "before":
+            return self.crash_before(point, nth)
+        return self.crash_after(point, nth)
+
     # -- the mechanism --------------------------------------------------------------------
     def check_alive(self) -> None:
         """Raise :class:`SimulatedCrash` when the process is dead."""

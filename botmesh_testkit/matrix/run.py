@@ -121,12 +121,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
         await world.start(crash=True)
         cb = world.crashable
         assert cb is not None
-        if cell.point == "*":
-            cb.crash_at(cell.nth, cell.when)
-        elif cell.when == "before":
-            cb.crash_before(cell.point, cell.nth)
-        else:
-            cb.crash_after(cell.point, cell.nth)
+        cb.arm(cell.when, cell.point, cell.nth)
         world.channel.fail_next(transient(), times=w.channel_failures)
         await play(world, w)
         crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)

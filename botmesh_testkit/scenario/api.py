@@ -61,6 +61,7 @@ from botmesh.core.testing import SimulatedCrash
 from ..backends.base import CAPABILITIES, BackendHarness
 from ..backends.registry import resolve
 from ..crash.world import DRAIN_MS, World
+from ..crash.wrapper import CrashableBackend
 from ..matrix.cells import POLICIES, compress
 
 _SetupT = TypeVar("_SetupT", bound=Callable[[Bot], object])
@@ -151,13 +152,9 @@ class CrashPoint:
         # no '#': the label is part of the item's name, which `pytest -k` must accept
         return f"{self.when}:{self.op}:{self.nth}" if self.op != "*" else f"random-{self.when}:{self.nth}"
 
-    def arm(self, cb: Any) -> None:
-        if self.op == "*":
-            cb.crash_at(self.nth, self.when)
-        elif self.when == "before":
-            cb.crash_before(self.op, self.nth)
-        else:
-            cb.crash_after(self.op, self.nth)
+    def arm(self, cb: CrashableBackend) -> None:
+        """Arm this death on the first incarnation's crashable backend."""
+        cb.arm(self.when, self.op, self.nth)
 
 
 def crash_points_of(spec: ScenarioSpec, passed: list[str], raised: set[tuple[str, int]], seed: int) -> list[CrashPoint]:
