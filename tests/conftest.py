@@ -62,3 +62,18 @@ def shipped_scenario_files() -> list[Path]:
     from botmesh_testkit.scenario.collect import scenario_files, shipped_dir
 
     return scenario_files(shipped_dir())
+
+
+def require_fuse() -> None:
+    """Skip, naming why, when this machine cannot mount the power-cut file system — or
+    fail, when ``$BOTMESH_REQUIRE_SERVICES`` is set (as .ci/run sets it): there the power
+    cuts must run."""
+    import os
+
+    from botmesh_testkit.crash.fs import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"):
+            pytest.fail(f"power cuts must run here (BOTMESH_REQUIRE_SERVICES), but: {reason}")
+        pytest.skip(f"power cuts cannot run here: {reason}")

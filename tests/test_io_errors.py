@@ -6,10 +6,10 @@ escaped ``Provider.deliver``."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from conftest import require_fuse
 
 from botmesh.core import Bot, MemoryDurability
 from botmesh.core.errors import BackendUnavailableError
@@ -20,16 +20,6 @@ pytest_plugins = ["pytester"]
 
 RUN = ("-p", "no:cacheprovider", "-p", "no:benchmark")
 PROFILE = 'description = "the I/O-error loop only"\nworkloads = ["one-send"]\nkills = 0\nio_errors = true\n'
-
-
-def _require_fuse() -> None:
-    from botmesh_testkit.crash.fs import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        if os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"):
-            pytest.fail(f"the I/O-error loop must run here (BOTMESH_REQUIRE_SERVICES), but: {reason}")
-        pytest.skip(f"the I/O-error loop cannot run here: {reason}")
 
 
 class _CompleteFailsOnce(MemoryDurability):
@@ -77,7 +67,7 @@ async def test_a_failed_settle_is_an_error_event_and_the_sweep_finishes_the_inbo
 
 @pytest.mark.spec("INB-8", "INB-2", "GUAR-1", "GUAR-2", "OUT-1")
 def test_every_io_of_the_workload_failed_once_loses_nothing_on_the_embedded_backends(pytester: pytest.Pytester) -> None:
-    _require_fuse()
+    require_fuse()
     pytester.makefile(".toml", io=PROFILE)
     result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=file", "--botmesh-backend=file+log",
                                            "--botmesh-backend=sqlite", "--botmesh-parts=powercuts",
@@ -122,7 +112,7 @@ DurabilityRuntime.admit = admit
 def test_an_engine_whose_deliver_raises_on_an_io_error_is_caught(pytester: pytest.Pytester) -> None:
     """The bug the loop found, planted again: the loop fails naming INB-8 and the
     operation, with a rerun command."""
-    _require_fuse()
+    require_fuse()
     pytester.makefile(".toml", io=PROFILE)
     pytester.makeconftest(LEAKY_ENGINE)
     result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=sqlite", "--botmesh-parts=powercuts",

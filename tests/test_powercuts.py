@@ -11,10 +11,10 @@ only the power cut tells them apart.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
+from conftest import require_fuse
 
 pytest_plugins = ["pytester"]
 
@@ -162,13 +162,7 @@ def _certify(pytester: pytest.Pytester, backend: str) -> tuple[pytest.RunResult,
 
 @pytest.fixture(autouse=True)
 def _fuse() -> None:
-    from botmesh_testkit.crash.fs import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        if os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"):
-            pytest.fail(f"power cuts must run here (BOTMESH_REQUIRE_SERVICES), but: {reason}")
-        pytest.skip(f"power cuts cannot run here: {reason}")
+    require_fuse()
 
 
 @pytest.mark.spec("GUAR-1", "GUAR-2", "INB-1", "OUT-1")
