@@ -79,6 +79,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
     except Exception as exc:
         profile_info = {"name": matrix, "description": f"unknown ({exc})", "source": matrix}
     backends = []
+    verdicts = []
     for name in names:
         rows = [r for r in results if r.backend == name]
         parts: dict[str, dict[str, int]] = {}
@@ -98,6 +99,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
         passed = sum(c["passed"] for c in parts.values())
         failed = sum(c["failed"] for c in parts.values())
         verdict = state.verdict(name, exitstatus)
+        verdicts.append(verdict)
         entry: dict[str, Any] = {
             "name": name,
             "verdict": verdict.status,
@@ -126,7 +128,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             entry["recovery_coverage"] = recovery.to_json()
         backends.append(entry)
     argv = redact_argv(sys.argv)
-    overall_verdict = overall([state.verdict(b["name"], exitstatus) for b in backends])
+    overall_verdict = overall(verdicts)
     return {
         "format": FORMAT,
         "verdict": overall_verdict,
