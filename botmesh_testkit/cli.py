@@ -9,6 +9,9 @@
   ``--report PATH`` the certification report (JSON, or Markdown for ``.md``).
 * ``botmesh-testkit points`` — the catalogue of crash points and the spec ids each one
   exercises.
+* ``botmesh-testkit spec [ID...]`` — the requirements: with ids, the full text of each
+  (exit status 2 naming the closest known ids for an id the spec does not define);
+  without, every id with its one-line title, by section.
 """
 
 from __future__ import annotations
@@ -26,6 +29,34 @@ def _points(_: argparse.Namespace) -> int:
     print("Crash points (crash_before / crash_after / crash_at) and the spec ids they exercise:")
     for op in POINTS:
         print(f"  {op:<{width}}  {', '.join(spec_ids(op))}")
+    return 0
+
+
+def _spec(args: argparse.Namespace) -> int:
+    from .requirements import requirements, suggest
+
+    known = requirements()
+    wanted = [i.upper() for i in args.ids]
+    bad = [i for i in wanted if i not in known]
+    if bad:
+        for i in bad:
+            close = suggest(i)
+            hint = f" (closest: {', '.join(close)})" if close else ""
+            print(f"botmesh-testkit spec: {i!r} is not a requirement id of the spec{hint}", file=sys.stderr)
+        return 2
+    if wanted:
+        for i in wanted:
+            req = known[i]
+            print(f"{req.id} ({req.section})")
+            print(f"  {req.text}")
+        return 0
+    section = None
+    width = max(map(len, known))
+    for req in known.values():
+        if req.section != section:
+            section = req.section
+            print(f"{section}:")
+        print(f"  {req.id:<{width}}  {req.title}")
     return 0
 
 
@@ -122,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(fn=_run)
     points = sub.add_parser("points", help="list the crash points and the spec ids they exercise")
     points.set_defaults(fn=_points)
+    spec = sub.add_parser("spec", help="print the requirements the ids name (all, or the ids given)")
+    spec.add_argument("ids", nargs="*", metavar="ID", help="requirement ids, e.g. INB-8 GUAR-3")
+    spec.set_defaults(fn=_spec)
     args = parser.parse_args(argv)
     # the engine's warnings (divergent replays, bypassed payloads) are expected inside a
     # crash matrix; a failing cell reports what matters

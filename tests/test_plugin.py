@@ -72,6 +72,8 @@ def test_a_third_party_backend_by_dotted_path(pytester: pytest.Pytester) -> None
     assert bad.ret == 1
     bad.stdout.fnmatch_lines(["*violated [[]OUT-2*", "*reproduce: botmesh-testkit run --backend thirdparty:make --seed 4 --cell*",
                               "*BROKEN (*): *OUT-2 in * item(s)*"])
+    # each broken id with its one-line title from the shipped spec (issue 14: the ids explained)
+    bad.stdout.fnmatch_lines(["    OUT-2: A send whose key is already `sent` is answered from the outbox*"])
 
 
 def test_bad_option_values_are_usage_errors(pytester: pytest.Pytester) -> None:
