@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 
+from ..requirements import title
 from . import options
 from .options import PARTS, matrix_name, selected
 from .probe import run_versions
@@ -87,6 +88,9 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             mine = [r for r in rows if r.part == part]
             if mine:
                 parts[part] = {k: sum(r.outcome == k for r in mine) for k in ("passed", "failed", "skipped")}
+                errors = sum(r.outcome == "error" for r in mine)
+                if errors:
+                    parts[part]["scenario_errors"] = errors
         held, broken = held_and_broken(rows)
         grouped: Counter[str] = Counter(reason for b, _, reason in skip_reasons if b == name)
         in_parts: dict[str, set[str]] = defaultdict(set)
@@ -119,6 +123,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "held": held,
             "broken": list(broken),
             "broken_items": broken,
+            "broken_titles": {rid: title(rid) for rid in broken},
             "skips": skips,
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
@@ -185,6 +190,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         out.append(f"| held ({len(b['held'])}) | {', '.join(b['held']) or '—'} |")
         broken = ", ".join(f"{i} in {n} item(s)" for i, n in b["broken_items"].items())
         out.append(f"| broken ({len(b['broken'])}) | {broken or '—'} |")
+        for rid, text in b.get("broken_titles", {}).items():
+            out.append(f"| {_cell(rid)} | {_cell(text)} |")
         if b["service_skip"]:
             out.append(f"| service skip | {_cell(b['service_skip'])} |")
         for s in b["skips"]:

@@ -14,7 +14,8 @@ class Result(NamedTuple):
     backend: str
     part: str
     outcome: str
-    """``passed``, ``failed`` or ``skipped``."""
+    """``passed``, ``failed``, ``skipped`` or ``error`` (a scenario's own mistake: it
+    checked nothing, so it neither holds nor breaks an id)."""
     spec: tuple[str, ...]
     """The requirement ids the item checks (its ``spec`` marker)."""
     violated: tuple[str, ...]
@@ -61,7 +62,7 @@ def held_and_broken(rows: Iterable[Result]) -> tuple[list[str], dict[str, int]]:
     exercised: set[str] = set()
     broken: Counter[str] = Counter()
     for _, _, outcome, spec, violated, _ in rows:
-        if outcome == "skipped":
+        if outcome in ("skipped", "error"):
             continue
         exercised.update(spec)
         exercised.update(violated)

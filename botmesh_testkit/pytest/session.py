@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..requirements import title
 from .options import PARTS, selected
 from .results import Result, held_and_broken, part_of, skip_reason
 
@@ -100,7 +101,9 @@ class BotmeshSession:
             return
         if not (report.when == "call" or (report.when == "setup" and report.outcome != "passed")):
             return
-        outcome = report.outcome
+        outcome: str = report.outcome
+        if outcome == "failed" and "botmesh_scenario_error" in props:
+            outcome = "error"  # a mistake of the scenario: no requirement broken, nothing held
         spec = tuple(props.get("botmesh_spec", ()))
         violated = tuple(props.get("botmesh_violated", spec if outcome == "failed" else ()))
         part = part_of(report.nodeid)
@@ -153,7 +156,9 @@ class BotmeshSession:
                     passed = sum(r.outcome == "passed" for r in mine)
                     failed = sum(r.outcome == "failed" for r in mine)
                     skipped = sum(r.outcome == "skipped" for r in mine)
-                    counts.append(f"{part} {passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
+                    errors = sum(r.outcome == "error" for r in mine)
+                    counts.append(f"{part} {passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
+                                  + (f", {errors} scenario error(s)" if errors else ""))
             write(f"{backend}: " + "; ".join(counts))
             for line in kill_lines.get(backend, []):
                 write(f"  {line}")
@@ -166,6 +171,8 @@ class BotmeshSession:
                 write(f"  held ({len(held)}): {', '.join(held)}")
             if broken:
                 write(f"  BROKEN ({len(broken)}): " + ", ".join(f"{i} in {n} item(s)" for i, n in broken.items()))
+                for rid in broken:
+                    write(f"    {rid}: {title(rid)}")
             if backend in selected(self.config):
                 verdict = self.verdict(backend, exitstatus)
                 write(f"  verdict: {verdict.line()}", bold=True, red=verdict.status != "certified",

@@ -82,8 +82,10 @@ def judge(rows: Iterable[Result], claims: Mapping[str, bool] | None, *, profile:
         reasons.append(interrupted)
     if reasons:
         return Verdict(NOT_CERTIFIED, profile, tuple(reasons), (), required)
+    errors = [r for r in rows if r.outcome == "error"]
     if not any(r.outcome == "passed" for r in rows):
-        return Verdict(NOT_CERTIFIED, profile, ("no item ran",), required, required)
+        why = f"no item passed, {len(errors)} scenario error(s)" if errors else "no item ran"
+        return Verdict(NOT_CERTIFIED, profile, (why,), required, required)
     missing: list[str] = []
     for part in required:
         mine = [r for r in rows if r.part == part]
@@ -96,6 +98,12 @@ def judge(rows: Iterable[Result], claims: Mapping[str, bool] | None, *, profile:
         else:
             why = (why_not_run or {}).get(part, "no item ran")
         reasons.append(f"{part} did not run ({why})")
+    if errors:
+        # a scenario that is itself wrong checked nothing: what it stands for did not run
+        parts = sorted({r.part for r in errors})
+        reasons.append(f"{len(errors)} scenario error(s) (mistakes in the scenario files, not violations by the "
+                       "backend: fix them and rerun)")
+        missing += [p for p in parts if p not in missing]
     if missing:
         return Verdict(PARTIAL, profile, tuple(reasons), tuple(missing), required)
     return Verdict(CERTIFIED, profile, (), (), required)

@@ -48,18 +48,24 @@ prefer the ``expect_*`` helpers, or give plain ``assert`` statements a message.
 from __future__ import annotations
 
 import asyncio
+import difflib
+import os
+import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from botmesh.core.bot import Bot, Handler, Pattern
+from botmesh.core.config import DURABILITY_OPTIONS
 from botmesh.core.flows import Flow
 from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.testing import SimulatedCrash
 
 from ..backends.base import CAPABILITIES, BackendHarness
 from ..backends.registry import resolve
+from ..crash.points import POINTS
 from ..crash.world import DRAIN_MS, World
 from ..crash.wrapper import CrashableBackend
 from ..matrix.cells import POLICIES, compress
@@ -67,8 +73,62 @@ from ..matrix.cells import POLICIES, compress
 _SetupT = TypeVar("_SetupT", bound=Callable[[Bot], object])
 _HandlerT = TypeVar("_HandlerT", bound=Handler)
 
-__all__ = ["CrashPoint", "DRAIN_MS", "Scenario", "ScenarioFailure", "ScenarioSpec", "scenario"]
+__all__ = ["CrashPoint", "DRAIN_MS", "Scenario", "ScenarioError", "ScenarioFailure", "ScenarioSpec", "scenario"]
 
+_START_ARGS = ("crash_before", "crash_after", "crash_at")
+
+
+def _closest(word: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(known), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+
+
+def _same(filename: str, file: str) -> bool:
+    return os.path.abspath(filename) == os.path.abspath(file)
+
+
+def _caller(file: str) -> str:
+    """``file:line`` of the innermost frame running the scenario file ``file``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _same(frame.f_code.co_filename, file):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return file
+
+
+def where_in_scenario(tb: TracebackType | None, file: str) -> str | None:
+    """``file:line`` of the innermost frame of a traceback that runs the scenario file
+    ``file``, or None when the error never passed through it."""
+    found = None
+    while tb is not None:
+        if _same(tb.tb_frame.f_code.co_filename, file):
+            found = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
+def innermost_is_own(tb: TracebackType | None, file: str) -> bool:
+    """Whether the innermost frame of a traceback runs the scenario file ``file`` (the
+    error is the scenario's own code's: a NameError, a wrong call)."""
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and _same(last.tb_frame.f_code.co_filename, file)
+
+
+class ScenarioError(Exception):
+    """A mistake in the scenario itself — an unknown crash point, keyword or requirement
+    id, a crash armed and never reached, a story that checks the outcome without
+    restarting the bot that died — never a violation by the backend. The message names
+    the file and line and the fix; the plugin reports the item as a *scenario error* (not
+    a broken requirement) without a traceback."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}")
+        self.where = where
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -183,7 +243,9 @@ def dry_run(spec: ScenarioSpec, backend: str, policy: str | None) -> tuple[list[
     """Run the scenario once without a crash, recording the crash points its first
     incarnation passes; raises what the scenario raised."""
     with tempfile.TemporaryDirectory(prefix="botmesh-scenario-dry-") as tmp:
-        s = Scenario(resolve(backend)(tmp), backend=backend, ids=spec.ids, policy=policy, record_points=True)
+        code = spec.fn.__code__
+        s = Scenario(resolve(backend)(tmp), backend=backend, ids=spec.ids, policy=policy, record_points=True,
+                     origin=f"{code.co_filename}:{code.co_firstlineno}")
 
         async def run() -> None:
             try:
@@ -213,8 +275,11 @@ class Scenario:
 
     def __init__(self, harness: BackendHarness, *, backend: str, ids: Sequence[str], policy: str | None = None,
                  instance_id: str = "i1", seed: int = 0, point: CrashPoint | None = None,
-                 record_points: bool = False) -> None:
+                 record_points: bool = False, origin: str = "?") -> None:
         self.harness = harness
+        self.origin = origin
+        """``file:line`` of the scenario function (where its mistakes are reported)."""
+        self.file = origin.rpartition(":")[0] or origin
         self.point = point
         """Where the runner makes the first incarnation die (``crash="every"|"random"``)."""
         self._record_points = record_points
@@ -265,14 +330,25 @@ class Scenario:
                     crash_at: int | None = None, **durability: Any) -> Bot:
         """Start the next incarnation; arm at most one crash point (``"op"`` or
         ``"op#n"``, see ``botmesh-testkit points``; ``crash_at=n``: the n-th point)."""
+        where = _caller(self.file)
+        unknown = [k for k in durability if k not in DURABILITY_OPTIONS or k == "backend"]
+        if unknown:
+            known = (*_START_ARGS, *(o for o in DURABILITY_OPTIONS if o != "backend"))
+            raise ScenarioError(where, f"start(): unknown keyword {unknown[0]!r}{_closest(unknown[0], known)}; "
+                                f"start() takes {', '.join(known)}")
         armed = [x for x in (crash_before, crash_after, crash_at) if x is not None]
         if len(armed) > 1:
-            raise ValueError("start(): give at most one of crash_before, crash_after, crash_at")
+            raise ScenarioError(where, "start(): give at most one of crash_before, crash_after, crash_at")
         first = self.world.incarnations == 0
         auto = first and (self.point is not None or self._record_points)
         if armed and (self.point is not None or self._record_points):
-            raise ValueError("start(): this scenario's crash points are chosen by the runner (@scenario(crash=...)); "
-                             "call s.start() without crash arguments")
+            raise ScenarioError(where, "start(): this scenario's crash points are chosen by the runner "
+                                "(@scenario(crash=...)); call s.start() without crash arguments")
+        for text in (crash_before, crash_after):
+            if text is not None:
+                self._check_point(text, where)
+        if crash_at is not None and (isinstance(crash_at, bool) or not isinstance(crash_at, int) or crash_at < 1):
+            raise ScenarioError(where, f"start(crash_at={crash_at!r}): the n-th crash point passed, n >= 1")
         if self.world.bot is not None:
             await self.world.bot.abandon()
         bot = await self.world.start(crash=bool(armed) or auto, **durability)
@@ -284,11 +360,49 @@ class Scenario:
         if cb is not None and not auto:
             if crash_before is not None:
                 cb.crash_before(*_point(crash_before))
+                self._armed = (f"crash_before={crash_before!r}", where)
             elif crash_after is not None:
                 cb.crash_after(*_point(crash_after))
+                self._armed = (f"crash_after={crash_after!r}", where)
             elif crash_at is not None:
                 cb.crash_at(crash_at)
+                self._armed = (f"crash_at={crash_at!r}", where)
         return bot
+
+    @staticmethod
+    def _check_point(text: str, where: str) -> None:
+        op, _, nth = text.partition("#")
+        if op not in POINTS:
+            raise ScenarioError(where, f"unknown crash point {op!r}{_closest(op, POINTS)}; the points are listed by "
+                                f"`botmesh-testkit points`: {', '.join(POINTS)}")
+        if nth and (not nth.isdigit() or int(nth) < 1):
+            raise ScenarioError(where, f"crash point {text!r}: expected 'op' or 'op#n' with n >= 1 "
+                                "(e.g. 'outbox.mark_sent#2')")
+
+    def mistake(self, failure: BaseException | None = None) -> ScenarioError | None:
+        """The scenario's own mistake behind the end of its run (``failure`` is what it
+        raised, None when it returned), if any: a crash it armed and never reached, or an
+        outcome checked (or the story ended) while the bot that died was never restarted."""
+        self._remember_crash()
+        armed = getattr(self, "_armed", None)
+        if armed is not None and not self.last_crash:
+            label, where = armed
+            passed = compress(self.world.crashable.history) if self.world.crashable is not None else "none"
+            return ScenarioError(where, f"start({label}) armed a crash that was never reached, so the story does not "
+                                 f"test what it says; the crash points it passed: {passed or 'none'}")
+        if self.crashed:
+            if failure is not None and not isinstance(failure, AssertionError):
+                return None
+            at = self.last_crash or "its crash point"
+            fix = ("call `await s.recover()` where the story goes on" if self.point is not None
+                   else "call `await s.recover()` (or `await s.restart()`) after the crash")
+            if failure is None:
+                return ScenarioError(self.origin, f"the story ends with the bot dead (it died at {at}) and never "
+                                     f"restarts it, so nothing about the recovery was checked: {fix}")
+            where = where_in_scenario(failure.__traceback__, self.file) or self.origin
+            return ScenarioError(where, f"the outcome was checked while the bot was dead (it died at {at}) and had "
+                                 f"not been restarted: {fix} before checking it (the failed check: {failure})")
+        return None
 
     async def restart(self, **kwargs: Any) -> Bot:
         """The current bot dies (if it has not already); the next one starts on the same

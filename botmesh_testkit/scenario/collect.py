@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 
 from ..backends.registry import resolve
-from .api import CrashPoint, Scenario, ScenarioFailure, ScenarioSpec, crash_points_of, dry_run
+from ..requirements import suggest, unknown
+from .api import (CrashPoint, Scenario, ScenarioError, ScenarioFailure, ScenarioSpec, crash_points_of, dry_run,
+                  innermost_is_own, where_in_scenario)
 
 SHIPPED_PACKAGE = "botmesh_testkit.scenarios"
 
@@ -127,9 +129,35 @@ class ScenarioItem(pytest.Item):
         self.add_marker(pytest.mark.spec(*spec.ids))
         self.user_properties.append(("botmesh_backend", backend))
 
+    @property
+    def origin(self) -> str:
+        """``file:line`` of the scenario function."""
+        code = self.spec.fn.__code__
+        return f"{code.co_filename}:{code.co_firstlineno}"
+
     def runtest(self) -> None:
+        try:
+            self._runtest()
+        except ScenarioError as exc:
+            # the scenario's mistake, not the backend's: no requirement is broken by it
+            self.user_properties.append(("botmesh_scenario_error", str(exc)))
+            self.user_properties.append(("botmesh_violated", ()))
+            raise
+
+    def _runtest(self) -> None:
         spec = self.spec
+        bad = unknown(spec.ids)
+        if bad:
+            close = suggest(bad[0])
+            raise ScenarioError(self.origin, f"@scenario names {bad[0]!r}, which is not a requirement id of the spec"
+                                + (f" (closest: {', '.join(close)})" if close else "")
+                                + "; `botmesh-testkit spec` lists them")
         if self.dry_error is not None:
+            if isinstance(self.dry_error, ScenarioError):
+                raise self.dry_error
+            mistake = _own_mistake(self.dry_error, self.spec.fn.__code__.co_filename)
+            if mistake is not None:
+                raise mistake
             raise ScenarioFailure(f"[{', '.join(spec.ids)}] the crash-free dry run (which finds the crash points) "
                                   f"failed: {self.dry_error!r}") from self.dry_error
         with tempfile.TemporaryDirectory(prefix="botmesh-scenario-") as tmp:
@@ -137,21 +165,38 @@ class ScenarioItem(pytest.Item):
             missing = [c for c in spec.requires if not getattr(harness.capabilities, c, False)]
             if missing:
                 pytest.skip(f"capability not claimed: {', '.join(missing)} (backend {self.backend})")
-            self.scenario = Scenario(harness, backend=self.backend, ids=spec.ids, policy=self.policy, point=self.point)
+            self.scenario = Scenario(harness, backend=self.backend, ids=spec.ids, policy=self.policy, point=self.point,
+                                     origin=self.origin)
 
             async def run() -> None:
-                assert self.scenario is not None
+                s = self.scenario
+                assert s is not None
                 try:
-                    await asyncio.wait_for(spec.fn(self.scenario), spec.timeout)
+                    await asyncio.wait_for(spec.fn(s), spec.timeout)
+                except (ScenarioError, pytest.skip.Exception):
+                    raise
                 except TimeoutError:
-                    raise self.scenario.fail(f"did not finish within {spec.timeout:g} real seconds "
-                                             "(a backend that hangs or never settles)") from None
+                    raise s.fail(f"did not finish within {spec.timeout:g} real seconds "
+                                 "(a backend that hangs or never settles)") from None
+                except BaseException as exc:
+                    mistake = s.mistake(exc) or _own_mistake(exc, s.file)
+                    if mistake is not None:
+                        raise mistake from None
+                    raise
+                else:
+                    mistake = s.mistake(None)
+                    if mistake is not None:
+                        raise mistake
                 finally:
-                    await self.scenario.world.close()
+                    await s.world.close()
 
             asyncio.run(run())
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        rerun = f"  reproduce: {self.parent.rerun} -k {shlex.quote(self.name)}"  # type: ignore[union-attr]
+        if isinstance(excinfo.value, ScenarioError):
+            return (f"scenario error (a mistake in the scenario, not a violation by backend {self.backend}): "
+                    f"{excinfo.value}\n{rerun}")
         head = f"scenario {self.path.name}::{self.spec.name} on {self.backend}"
         if self.policy:
             head += f" (on_ambiguous={self.policy})"
@@ -164,8 +209,23 @@ class ScenarioItem(pytest.Item):
             lines.append(str(super().repr_failure(excinfo)))
         if self.scenario is not None:
             lines += [f"  {line}" for line in self.scenario.story()]
-        lines.append(f"  reproduce: {self.parent.rerun} -k {shlex.quote(self.name)}")  # type: ignore[union-attr]
+        lines.append(rerun)
         return "\n".join(lines)
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, f"scenario {self.spec.name} [{self.backend}]"
+
+
+def _own_mistake(exc: BaseException, file: str) -> ScenarioError | None:
+    """An error that is the scenario's own: a bad ``durability=`` option it gave
+    (``ConfigError``), or an exception raised in the scenario's own code (a NameError, a
+    wrong call)."""
+    from botmesh.core.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        where = where_in_scenario(exc.__traceback__, file) or file
+        return ScenarioError(where, f"the scenario's durability options: {exc}")
+    if not isinstance(exc, AssertionError) and innermost_is_own(exc.__traceback__, file):
+        where = where_in_scenario(exc.__traceback__, file) or file
+        return ScenarioError(where, f"{type(exc).__name__}: {exc}")
+    return None

@@ -139,13 +139,17 @@ def _backoff(value: Any, option: str, default: Backoff) -> Backoff:
     return Backoff(base, cap, float(jitter))
 
 
+DURABILITY_OPTIONS = ("backend", "instance_id", "fail_open", "inbox", "outbox", "poll_ms", "retention")
+"""The top-level keys of a bot's ``durability=`` setting (CONF)."""
+
+
 def parse_durability(value: Any) -> DurabilityConfig:
     """Validate the ``durability=`` setting of a bot. ``{}`` means a fresh
     ``MemoryDurability`` (ENABLE-2)."""
     raw = _mapping(
         value,
         "durability",
-        {"backend", "instance_id", "fail_open", "inbox", "outbox", "poll_ms", "retention"},
+        set(DURABILITY_OPTIONS),
     )
     backend = raw.get("backend")
     if backend is None:
