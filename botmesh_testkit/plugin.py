@@ -226,7 +226,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     import shlex
 
-    from .pytest.items import ServiceSkipItem, kill_items, matrix_items, powercut_items, scenario_items, suite_items
+    from .pytest.items import (ServiceSkipItem, kill_items, matrix_items, powercut_items, reproduce_command,
+                               scenario_items, suite_items)
     from .scenario.collect import shipped_dir
 
     state = session_of(config)
@@ -262,9 +263,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         marker = item.get_closest_marker("spec")
         if marker is not None:
             item.user_properties.append(("botmesh_spec", tuple(marker.args)))
+            # the same, readable in a JUnit file's <properties>
+            item.user_properties.append(("botmesh_ids", ", ".join(map(str, marker.args))))
         param_backend = _param_backend(item)
         if param_backend is not None and ("botmesh_backend", param_backend) not in item.user_properties:
             item.user_properties.append(("botmesh_backend", param_backend))
+        command = reproduce_command(item, base, config)
+        if command is not None:
+            item.user_properties.append(("botmesh_reproduce", command))
     items.extend(added)
 
 
@@ -290,7 +296,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if outcome is not None and getattr(item, "cell", None) is not None and not outcome.passed:
         ids = sorted({i for v in outcome.violations for i in v.ids})
         report.user_properties.append(("botmesh_violated", tuple(ids)))
+    if report.failed and part_of(item.nodeid) == "suite":
+        # the suite's failures are pytest's own tracebacks: say how to rerun one alone
+        command = dict(item.user_properties).get("botmesh_reproduce")
+        if command:
+            report.sections.append(("botmesh", f"reproduce: {command}"))
+        named = _ids_named(report)
+        if named:  # broken: what the failing assertion names, not the whole marker
+            report.user_properties.append(("botmesh_violated", named))
     return report
+
+
+def _ids_named(report: pytest.TestReport) -> tuple[str, ...]:
+    """The requirement ids a failed suite assertion starts with (``"BACK-7/LEASE-2: put()
+    ..."``), when each is one the spec defines; empty when it names none."""
+    import re
+
+    from .requirements import unknown
+
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = str(getattr(crash, "message", "") or "")
+    message = re.sub(r"^\w+(Error|Exception|Failure): ", "", message)
+    head = re.match(r"^\[?((?:[A-Z]+-\d+)(?:\s*[,/]\s*[A-Z]+-\d+)*)\]?:", message)
+    if head is None:
+        return ()
+    ids = tuple(dict.fromkeys(re.findall(r"[A-Z]+-\d+", head.group(1))))
+    return ids if ids and not unknown(ids) else ()
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: Sequence[pytest.Item]) -> str | None:

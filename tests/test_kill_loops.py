@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import uuid
 from collections import Counter
@@ -462,6 +463,12 @@ def test_a_backend_that_acknowledges_before_durable_fails_the_kill_loop(tmp_path
     assert result.violated_ids & {"GUAR-1", "INB-1", "OUT-1", "OUT-2"}, result.violated_ids
     assert "violated [" in report and "seed: 0" in report
     assert "reproduce: " in report and "test_kill_loops.py::" in report and "lazy_file" in report
+    # issue 14: the headline counts the violations; the deliveries line does not read as clean
+    lines = report.splitlines()
+    head, deliveries = lines[0], lines[4]
+    assert f"FAILED, {len(result.violations)} violation(s)" in head, head
+    assert f"NOT accounted for: {len(result.violations)} violation(s)" in deliveries, deliveries
+    assert report.count("\n  violated [") == len(result.violations)
     with pytest.raises(AssertionError, match=r"violated \["):
         result.assert_ok()
     no_children_left(loop)
@@ -599,6 +606,31 @@ def test_command_line_reproduces_a_builtin_loop(tmp_path: Any, capsys: pytest.Ca
     loop = KillLoop(("sqlite", str(tmp_path / "x.db")), replies(3), kills=7, messages=9, seed=4, on_ambiguous="resend")
     assert loop.reproduce().startswith("python -m botmesh_testkit.kill --backend sqlite --messages 9 --kills 7 "
                                        "--seed 4 --policy resend --replies 3")
+
+
+@spec("TEST-4")
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+def test_command_line_refuses_a_server_that_does_not_answer(backend: str, tmp_path: Any,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14: a dead URL is a usage error naming the option and the URL (as the plugin
+    refuses it), before any child is started — not a pool timeout and a traceback."""
+    url = "postgresql://postgres@127.0.0.1:1/test" if backend == "postgres" else "redis://127.0.0.1:1/0"
+    with pytest.raises(SystemExit) as exited:
+        kill.main(["--backend", backend, f"--{backend}-url", url, "--workdir", str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--{backend}-url: {url} does not answer: " in err, err
+    assert not any(tmp_path.iterdir())  # nothing was started in the work directory
+
+
+def test_command_line_draws_and_prints_a_seed(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14: without --seed the loop does not always run seed 0: it draws one and
+    prints it, and the report's seed is that one."""
+    assert kill.main(["--backend", "file", "--kills", "1", "--messages", "2", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    drawn = re.search(r"^kill loop seed (\d+) \(rerun with --seed \1\)$", out, re.M)
+    assert drawn, out
+    assert f"kill loop on file, on_ambiguous=skip, seed {drawn.group(1)}: passed" in out, out
 
 
 @pytest.mark.slow

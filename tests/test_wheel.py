@@ -133,18 +133,24 @@ def _under(path: str, site: Path) -> bool:
     return Path(path).resolve().is_relative_to(site.resolve())
 
 
-@pytest.mark.slow
-@pytest.mark.spec("BACK-7", "TEST-4")
-def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[str]]:
+    """The wheel built once from a copy of the source tree: (wheel, how, the files)."""
     files = _source_files()
-    ignored_before, artifacts_before = _ignored_entries(), _artifacts()
-
-    # -- build the wheel from a copy of the source tree, install it into SITE -----------
-    src = tmp_path / "src"
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     for rel in files:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, src / rel)
-    wheel, how = _build_wheel(src, tmp_path / "dist", tmp_path)
+    wheel, how = _build_wheel(src, tmp / "dist", tmp)
+    return wheel, how, files
+
+
+@pytest.mark.slow
+@pytest.mark.spec("BACK-7", "TEST-4")
+def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path, built: tuple[Path, str, list[str]]) -> None:
+    ignored_before, artifacts_before = _ignored_entries(), _artifacts()
+    wheel, how, files = built
     site = tmp_path / "site"
     installed = _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--no-deps",
                       "--no-index", "--target", str(site), str(wheel)], cwd=tmp_path, timeout=PIP_TIMEOUT)
@@ -156,14 +162,15 @@ def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path) -> None:
         entry_points = next((zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")), "")
     expected = {f"botmesh/{Path(f).relative_to('reference_impl/botmesh').as_posix()}"
                 for f in files if f.startswith("reference_impl/botmesh/") and f.endswith((".py", "py.typed"))}
-    expected |= {f for f in files if f.startswith("botmesh_testkit/") and f.endswith((".py", ".toml", "py.typed"))}
+    expected |= {f for f in files if f.startswith("botmesh_testkit/") and f.endswith((".py", ".toml", ".md", "py.typed"))}
     # the top-level scenarios/guar/ and matrices/ install as botmesh_testkit.scenarios / .matrices
     expected |= {"botmesh_testkit/scenarios/" + f.removeprefix("scenarios/guar/")
                  for f in files if f.startswith("scenarios/guar/") and f.endswith(".py")}
     expected |= {"botmesh_testkit/matrices/" + f.removeprefix("matrices/")
                  for f in files if f.startswith("matrices/") and f.endswith((".py", ".toml", ".md"))}
     for needed in ("botmesh_testkit/matrices/smoke.toml", "botmesh_testkit/matrices/full.toml",
-                   "botmesh_testkit/py.typed", "botmesh/py.typed", "botmesh_testkit/plugin.py"):
+                   "botmesh_testkit/py.typed", "botmesh/py.typed", "botmesh_testkit/plugin.py",
+                   "botmesh_testkit/durability.md"):
         assert needed in expected, f"{needed} is missing from the source tree itself"
     assert any(n.startswith("botmesh_testkit/scenarios/guar_") for n in expected)
     missing = sorted(expected - names)
@@ -223,3 +230,35 @@ def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path) -> None:
     assert _artifacts() == artifacts_before, "build artifacts appeared or changed in the source tree"
     new = _ignored_entries() - ignored_before
     assert not new, f"new ignored paths in the source tree: {sorted(new)}"
+
+
+
+@pytest.mark.slow
+@pytest.mark.spec("TEST-4")
+def test_a_plain_install_of_the_wheel_runs_the_main_job(tmp_path: Path, built: tuple[Path, str, list[str]]) -> None:
+    """Issue 14: ``pip install <wheel>`` with no extras, in a fresh venv, gives a working
+    CLI: its dependencies (pytest, hypothesis, psutil, multiprocess, coverage) come with it
+    from the configured package index, and ``botmesh-testkit run`` on the default backend
+    passes. Nothing of the project's own venv is visible (a new venv, no PYTHONPATH)."""
+    wheel, _, _ = built
+    venv = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, timeout=PIP_TIMEOUT)
+    assert made.returncode == 0, made.stderr
+    py = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHON", "VIRTUAL_ENV"))}
+    installed = _run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
+                     cwd=tmp_path, env=env, timeout=PIP_TIMEOUT)
+    assert installed.returncode == 0, f"pip install <wheel> failed:\n{installed.stdout[-3000:]}\n{installed.stderr[-3000:]}"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    # the drivers are extras: not installed by a plain install
+    probe = _run([str(py), "-c", "import importlib.util as u; print(u.find_spec('psycopg') is None, "
+                  "u.find_spec('redis') is None, u.find_spec('pytest') is not None)"], cwd=empty, env=env, timeout=120)
+    assert probe.stdout.split() == ["True", "True", "True"], probe.stdout + probe.stderr
+    run = _run([str(venv / "bin" / "botmesh-testkit"), "run", "--seed", "1", "-q"], cwd=empty, env=env,
+               timeout=RUN_TIMEOUT)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, f"botmesh-testkit run from a plain install exited {run.returncode}:\n{output[-6000:]}"
+    assert "ModuleNotFoundError" not in output
+    assert re.search(r"^sqlite: suite \d+ passed, 0 failed; scenarios \d+ passed, 0 failed; matrix \d+ passed, 0 failed",
+                     output, re.M), output[-4000:]

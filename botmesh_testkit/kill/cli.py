@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the PostgreSQL table / Redis keys even when the run passed")
     p.add_argument("--kills", type=int, default=KILLS)
     p.add_argument("--messages", type=int, default=KILL_MESSAGES)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="seed of the loop (default: drawn, and printed)")
     p.add_argument("--policy", choices=POLICIES, default="skip")
     p.add_argument("--replies", type=int, default=2)
     p.add_argument("--workdir", default=None)
@@ -50,6 +50,21 @@ def main(argv: list[str] | None = None) -> int:
         server_url = getattr(args, f"{args.backend}_url") or os.environ.get(env)
         if not server_url:
             p.error(f"--backend={args.backend} needs a server: give {option}=URL or set ${env}")
+        # fail fast, as the plugin does: a URL that does not answer is a usage error now,
+        # not a pool timeout after the loop started
+        from ..servers import redact_url
+        from ..servers.postgres import pg_probe
+        from ..servers.redis import redis_probe
+
+        why = (pg_probe if args.backend == "postgres" else redis_probe)(server_url, 5.0)
+        if why is not None:
+            source = option if getattr(args, f"{args.backend}_url") else f"${env}"
+            p.error(f"{source}: {redact_url(server_url)} does not answer: {why}")
+    if args.seed is None:
+        import random
+
+        args.seed = random.SystemRandom().randrange(2**31)
+    print(f"kill loop seed {args.seed} (rerun with --seed {args.seed})")
     workdir = args.workdir or tempfile.mkdtemp(prefix="botmesh-kill-")
     drop: Callable[[], Coroutine[Any, Any, Any]] | None = None
     where = ""

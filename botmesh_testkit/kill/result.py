@@ -87,14 +87,16 @@ class KillResult:
         modes = Counter(k.mode for k in self.kills)
         lines = [
             f"{self.label} on {self.backend}, on_ambiguous={self.policy}, seed {self.seed}: "
-            f"{'passed' if self.passed else 'FAILED'} ({self.seconds:.1f} s)",
+            f"{'passed' if self.passed else f'FAILED, {len(self.violations)} violation(s)'} ({self.seconds:.1f} s)",
             f"  kills: {len(self.kills)} ({', '.join(f'{m} {c}' for m, c in sorted(modes.items())) or 'none'}); "
             f"self-deaths: {self.self_deaths}; incarnations: {self.incarnations}",
             f"  messages: {self.messages}, acknowledged {self.acked}, fed {self.feeds}x "
             f"({self.feeds - self.messages} redeliveries)",
             f"  inbox: {dict(sorted(self.inbox_states.items()))}; outbox: {dict(sorted(self.outbox_states.items()))}",
             f"  deliveries: {self.deliveries} of {self.distinct_keys} keys; duplicates: "
-            f"{dups}{dups_why}; losses: {losses}{losses_why}",
+            f"{dups}{dups_why}; losses: {losses}{losses_why}" if self.passed else
+            f"  deliveries: {self.deliveries} of {self.distinct_keys} keys; accounted for: {dups} duplicate(s), "
+            f"{losses} loss(es); NOT accounted for: {len(self.violations)} violation(s), listed below",
         ]
         if self.events:
             lines.append("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(self.events.items())))
@@ -112,6 +114,8 @@ class KillResult:
         if amb_only:
             lines.append(f"  ambiguous sends: {len(amb_only)}")
             lines.extend(f"    {a}" for a in amb_only[:20])
+            if len(amb_only) > 20:
+                lines.append(f"    ... and {len(amb_only) - 20} more")
         if points:
             lines.append("  kill points: " + "; ".join(f"{p} x{c}" if c > 1 else p for p, c in points.most_common()))
         lines.extend(f"  note: {n}" for n in self.notes)

@@ -374,3 +374,34 @@ def powercuts_apply(backend: str) -> bool:
             return storage_on_workdir(resolve(backend)(tmp).kill_spec(), tmp)
         except Exception:  # a harness that cannot even describe its storage: no power cuts to run
             return False
+
+
+def reproduce_command(item: pytest.Item, base: str, config: pytest.Config) -> str | None:
+    """The shell command that reruns ``item`` alone, as printed beside its failure, kept in
+    the JUnit properties and in the reports. ``base`` is :func:`~.options.rerun_base`.
+
+    A suite item's node id (``botmesh-conformance::TestDurableKv::test_x[backend]``) is
+    not a path pytest accepts, so the command selects it with ``-k`` on its class and
+    name; the parts without a command of their own likewise."""
+    from .results import part_of
+
+    part = part_of(item.nodeid)
+    cell = getattr(item, "cell", None)
+    if part == "matrix" and cell is not None:
+        return str(cell.command(int(getattr(item, "seed", 0))))
+    if part == "scenarios":
+        rerun = getattr(item.parent, "rerun", None)
+        return f"{rerun} -k {shlex.quote(item.name)}" if rerun else None
+    if part not in ("suite", "kills", "powercuts"):
+        return None
+    profile = matrix_name(config)
+    words = [base, f"--botmesh-parts={part}"]
+    if profile != "smoke":
+        words.append(f"--botmesh-matrix={shlex.quote(profile)}")
+    if part == "suite":
+        cls = item.getparent(pytest.Class)
+        expr = f"{cls.name} and {item.name}" if cls is not None else item.name
+    else:
+        expr = item.name
+    words.append(f"-k {shlex.quote(expr)}")
+    return " ".join(words)

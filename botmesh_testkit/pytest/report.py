@@ -127,6 +127,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "skips": skips,
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
+            "failed_items": [f for f in state.failures if f["backend"] == name],
         })
         recovery = state.recovery.get(name)
         if recovery is not None:
@@ -201,6 +202,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         for k, v in b["versions"].items():
             out.append(f"| version: {_cell(k)} | {_cell(v)} |")
         out += [f"| seed | {report['seed']} |", f"| command | `{_cell(report['command'])}` |", ""]
+        failed = b.get("failed_items", [])
+        if failed:
+            out += [f"### Failed items of `{b['name']}` ({len(failed)})", "",
+                    "| item | outcome | broken | message | reproduce |", "| --- | --- | --- | --- | --- |"]
+            for f in failed:
+                rerun = f"`{_cell(f['reproduce'])}`" if f.get("reproduce") else "—"
+                out.append(f"| `{_cell(f['item'])}` | {f['outcome']} | {', '.join(f['violated']) or '—'} | "
+                           f"{_cell(f['message'])} | {rerun} |")
+            out.append("")
     return "\n".join(out)
 
 

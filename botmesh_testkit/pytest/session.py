@@ -31,6 +31,8 @@ class BotmeshSession:
         self.config = config
         self.seed = seed
         self.results: list[Result] = []
+        self.failures: list[dict[str, Any]] = []
+        """Every failed item: backend, part, item (node id), outcome, violated ids, message, reproduce."""
         self.kill_reports: list[tuple[str, list[str]]] = []
         self.recovery: dict[str, RecoveryCoverage] = {}
         self.skip_reasons: list[tuple[str, str, str]] = []
@@ -109,6 +111,12 @@ class BotmeshSession:
         part = part_of(report.nodeid)
         why = skip_reason(report.longrepr) if outcome == "skipped" else ""
         self.results.append(Result(str(backend), part, outcome, spec, violated, why))
+        if outcome in ("failed", "error"):
+            self.failures.append({
+                "backend": str(backend), "part": part, "item": report.nodeid, "outcome": outcome,
+                "spec": list(spec), "violated": list(violated), "message": failure_message(report),
+                "reproduce": props.get("botmesh_reproduce"),
+            })
         if "botmesh_recovery" in props:
             from ..matrix.coverage import RecoveryCoverage
 
@@ -185,3 +193,14 @@ def session_of(config: pytest.Config) -> BotmeshSession:
     if not isinstance(found, BotmeshSession):
         raise RuntimeError("the botmesh plugin is not configured in this session")
     return found
+
+
+def failure_message(report: pytest.TestReport, limit: int = 800) -> str:
+    """What a failed item said, short: the exception's own message when pytest kept it
+    (a suite test's assertion), else the head of the item's report (a cell's, a kill
+    loop's, a scenario's)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = str(getattr(crash, "message", "") or "") or report.longreprtext
+    lines = [line for line in text.splitlines() if line.strip()]
+    out = "\n".join(lines[:12])
+    return out if len(out) <= limit else out[: limit - 1] + "…"
