@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from botmesh.core import Bot, OutboxRecord, ProviderError, SendDeferredError
-from botmesh.core.content import split_text
+from botmesh.core import Bot, OutboxRecord, ProviderError, SendDeferredError, SendFailedError, UnsupportedContentError
+from botmesh.core.content import PART_SEPARATOR, legacy_part_key, part_key, split_text
 
 from botmesh_testkit.backends import HARNESSES, BackendHarness
 from botmesh_testkit.crash import World
@@ -189,6 +189,95 @@ async def test_out12_derived_and_enqueued_parts_leave_user_keys_alone(harness: B
     await world.close()
 
 
+@pytest.mark.spec("OUT-12", "OUT-3")
+@pytest.mark.parametrize("key", ["a\x1f#2", "\x1f", "x\x1fy"])
+async def test_out12_an_explicit_key_in_the_part_namespace_is_refused(harness: BackendHarness, key: str) -> None:
+    """OUT-12: U+001F is reserved for part keys; an explicit key holding it is refused
+    with a ``ValueError`` naming the key, before anything is journaled or sent — by
+    ``bot.send`` and ``bot.enqueue`` alike. So is an empty key; a key that is not a
+    string is a ``TypeError``."""
+    assert PART_SEPARATOR == "\x1f" and part_key("a", 2) == "a\x1f#2"
+    world = World(harness, text_limit=LIMIT)
+    bot = await world.start()
+    with pytest.raises(ValueError, match="U\\+001F") as info:
+        await bot.send("c1", "hi", idempotency_key=key)
+    assert repr(key) in str(info.value)
+    with pytest.raises(ValueError, match="U\\+001F"):
+        await bot.enqueue("c1", "hi", idempotency_key=key)
+    with pytest.raises(ValueError, match="must not be empty"):
+        await bot.send("c1", "hi", idempotency_key="")
+    with pytest.raises(TypeError, match="idempotency_key must be a str, got int 7"):
+        await bot.send("c1", "hi", idempotency_key=7)  # type: ignore[arg-type]
+    await world.drain()
+    assert world.channel.calls == [] and await outbox_by_key(bot) == {}
+    await world.close()
+
+
+def legacy_chain(world: World, key: str, texts: list[str], *, split_done: bool = True) -> list[OutboxRecord]:
+    """The records an earlier version journaled for a split text: ``key``, ``key#2`` …
+    (``split_done=False``: it died after recording the second part, before the first
+    record was cut down to its part, as OUT-13 allows)."""
+    now = world.clock.now()
+    first_text = texts[0] if split_done else "".join(texts)
+    records = [
+        OutboxRecord(
+            key=key, chat_id="c1", content={"text": first_text}, fingerprint="", rule="explicit", origin="enqueue",
+            state="pending", next_at=now, created_at=now, updated_at=now, seq=1,
+        )
+    ]
+    for i, text in enumerate(texts[1:] if split_done else texts[1:2], start=2):
+        records.append(
+            OutboxRecord(
+                key=legacy_part_key(key, i), chat_id="c1", content={"text": text}, fingerprint="", rule="explicit",
+                origin="enqueue", previous_part=legacy_part_key(key, i - 1), part=i, state="pending", next_at=now,
+                created_at=now, updated_at=now, seq=1,
+            )
+        )
+    return records
+
+
+@pytest.mark.spec("OUT-12", "OUT-13")
+@pytest.mark.parametrize("split_done", [True, False], ids=["split-done", "split-half-done"])
+async def test_out12_chains_of_an_earlier_version_stay_readable(harness: BackendHarness, split_done: bool) -> None:
+    """OUT-12/OUT-13, upgrading: a chain an earlier version journaled under ``key#2`` …
+    is delivered whole, in order, once — also when that version died in the middle of
+    the split (``key#2`` recorded, the first record still holding the whole text): the
+    split is finished under the old keys, no part is recorded under the new ones."""
+    world = World(harness, text_limit=LIMIT)
+    bot = await world.start()
+    assert bot.durability is not None
+    await world.clock.settle()
+    for rec in legacy_chain(world, "old", PARTS, split_done=split_done):
+        _, created = await bot.durability.backend.outbox_journal(bot.durability.scope, rec)
+        assert created
+    await world.drain()
+    assert world.channel.texts() == PARTS
+    records = await outbox_by_key(bot)
+    assert sorted(records) == sorted(legacy_part_key("old", i) for i in range(1, len(PARTS) + 1))
+    assert [r.state for r in chain_of(records, "old")] == ["sent"] * len(PARTS)
+    again = await bot.send("c1", LONG, idempotency_key="old")
+    assert again.deduped and world.channel.texts() == PARTS
+    await world.close()
+
+
+@pytest.mark.spec("OUT-12", "OUT-2")
+async def test_out12_an_inline_send_over_a_chain_of_an_earlier_version(harness: BackendHarness) -> None:
+    """OUT-12, upgrading: ``bot.send`` under the key of a pending chain an earlier
+    version journaled sends its first part inline; the later parts follow, by their
+    stored links, in order and once."""
+    world = World(harness, text_limit=LIMIT)
+    bot = await world.start()
+    assert bot.durability is not None
+    await world.clock.settle()
+    for rec in legacy_chain(world, "old", PARTS):
+        await bot.durability.backend.outbox_journal(bot.durability.scope, rec)
+    result = await bot.send("c1", LONG, idempotency_key="old")
+    assert result.key == "old" and result.message_id == world.channel.sent[0].message_id
+    await world.drain()
+    assert world.channel.texts() == PARTS
+    await world.close()
+
+
 # -- OUT-10: the hooks run once per journaled send ----------------------------------------------------
 
 
@@ -241,6 +330,36 @@ async def test_out10_concurrent_sends_of_one_key_to_two_chats_call_the_provider_
     await world.close()
 
 
+@pytest.mark.spec("OUT-2", "OUT-10", "LEASE-2")
+async def test_out2_a_key_another_replica_journals_meanwhile_is_not_sent_again(harness: BackendHarness) -> None:
+    """OUT-2 across processes: while this bot runs the hooks of ``bot.send(key="k")``,
+    another replica journals ``k`` and is sending it. This bot's journal write then finds
+    the record: it does not call the provider under the other's lease (it answers
+    ``state="sending"``), and the send is resolved by the lease rules, not duplicated."""
+    world = World(harness)
+
+    def setup(bot: Bot) -> None:
+        @bot.before("send")
+        async def other_replica_journals_meanwhile(chat_id: str, content: dict[str, Any]) -> None:
+            d = bot.durability
+            assert d is not None
+            now = world.clock.now()
+            await d.backend.outbox_journal(d.scope, OutboxRecord(
+                key="k", chat_id=chat_id, content=dict(content), fingerprint="", rule="explicit", state="sending",
+                attempts=1, token=1, owner="replica-2", incarnation="other", lease_until=now + 60_000, claimed_at=now,
+                created_at=now, updated_at=now, seq=1,
+            ))
+
+    world.setup = setup
+    bot = await world.start()
+    result = await bot.send("c1", "once", idempotency_key="k")
+    assert (result.key, result.state, result.message_id) == ("k", "sending", None)
+    assert world.channel.calls == []
+    rec = (await outbox_by_key(bot))["k"]
+    assert (rec.owner, rec.token) == ("replica-2", 1)
+    await world.close()
+
+
 # -- OUT-9: a deferred split send carries the send's key --------------------------------------------
 
 
@@ -260,6 +379,21 @@ async def test_out9_deferred_split_send_carries_the_send_key(harness: BackendHar
     assert records[info.value.part_key].content["text"] == PARTS[1]
     await world.drain()
     assert world.channel.texts() == PARTS
+    await world.close()
+
+
+@pytest.mark.spec("OUT-9", "OUT-8", "OUT-12")
+async def test_out9_a_later_part_dead_inline_names_the_send_and_the_part(harness: BackendHarness) -> None:
+    """OUT-9/OUT-8: when a later part of an inline split send dies (a definitive error),
+    ``SendFailedError.key`` is the send's key and ``part_key`` the dead part's."""
+    world = World(harness, text_limit=LIMIT)
+    bot = await world.start()
+    fail_text(world, PARTS[2], UnsupportedContentError("no"))
+    with pytest.raises(SendFailedError) as info:
+        await bot.send("c1", LONG, idempotency_key="K")
+    assert (info.value.key, info.value.part_key) == ("K", part_key("K", 3))
+    assert repr(part_key("K", 3)) in str(info.value)
+    assert world.channel.texts() == PARTS[:2]
     await world.close()
 
 
