@@ -302,6 +302,7 @@ async def test_out10_concurrent_enqueues_of_one_key_run_the_hooks_once(harness: 
     assert hooked == ["remind"]
     assert world.channel.texts() == ["remind!"]
     assert bot.durability is not None and bot.durability.metrics()["outbox_journaled"] == 1
+    assert len(bot.durability._key_locks) == 0  # no lock left behind per key
     await world.close()
 
 
@@ -399,13 +400,13 @@ async def test_out9_a_later_part_dead_inline_names_the_send_and_the_part(harness
 
 # -- OUT-15: content JSON cannot hold bypasses the outbox ----------------------------------------------
 
-UNENCODABLE = {
-    "nan": {"text": "n", "score": math.nan},
-    "inf": {"text": "i", "meta": {"ratio": math.inf}},
-    "-inf": {"text": "m", "values": [1.0, -math.inf]},
-    "surrogate": {"text": "s\ud800"},
-    "surrogate-key": {"text": "k", "meta": {"\udfff": 1}},
-    "int-key": {"text": "d", "meta": {1: "x"}},
+UNENCODABLE: dict[str, tuple[dict[Any, Any], str]] = {  # content, and what the warning names
+    "nan": ({"text": "n", "score": math.nan}, "content.score: nan is not a JSON number"),
+    "inf": ({"text": "i", "meta": {"ratio": math.inf}}, "content.meta.ratio: inf is not a JSON number"),
+    "-inf": ({"text": "m", "values": [1.0, -math.inf]}, "content.values[1]: -inf is not a JSON number"),
+    "surrogate": ({"text": "s\ud800"}, "content.text: the string 's\\ud800' holds the lone surrogate"),
+    "surrogate-key": ({"text": "k", "meta": {"\udfff": 1}}, "content.meta: the key '\\udfff' holds the lone surrogate"),
+    "int-key": ({"text": "d", "meta": {1: "x"}}, "content.meta: key 1 is not a string"),
 }
 
 
@@ -419,7 +420,7 @@ async def test_out15_unencodable_content_bypasses_the_outbox(
     warning naming where in the content the value is — instead of raising from
     ``ctx.reply`` while the inbound ends ``done`` with the reply never sent. The next
     reply of the handler is journaled as usual."""
-    content = UNENCODABLE[case]
+    content, named = UNENCODABLE[case]
     errors: list[BaseException] = []
 
     def setup(bot: Bot) -> None:
@@ -441,7 +442,8 @@ async def test_out15_unencodable_content_bypasses_the_outbox(
     assert world.channel.texts() == [content["text"], "after"]
     assert bot.durability is not None
     assert bot.durability.metrics()["outbox_bypassed"] == 1
-    assert any("bypasses the outbox" in r.getMessage() and "content." in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if "bypasses the outbox" in r.getMessage()]
+    assert len(warnings) == 1 and named in warnings[0], warnings
     records = await outbox_by_key(bot)
     assert [r.content for r in records.values()] == [{"text": "after"}]
     inbound = await bot.durability.inbox.get("m1")
