@@ -19,7 +19,7 @@ from botmesh.core import (
     UnsupportedContentError,
     load_media_of,
 )
-from botmesh.core.content import split_text
+from botmesh.core.content import part_key, split_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +49,11 @@ def fail_text(world: World, text: str, error: BaseException, times: int | None =
 
 def called_texts(world: World) -> list[str]:
     return [str(c.content.get("text")) for c in world.channel.calls]
+
+
+def keys_of(key: str, parts: int = 4) -> list[str]:
+    """The record keys of a send ``key`` split into ``parts`` (OUT-12)."""
+    return [part_key(key, i) for i in range(1, parts + 1)]
 
 
 async def outbox_by_key(bot: Bot) -> dict[str, OutboxRecord]:
@@ -112,9 +117,9 @@ async def test_long_reply_goes_out_as_ordered_linked_parts(harness: Any) -> None
     assert world.channel.texts("c1") == PARTS
     assert "".join(world.channel.texts()) == LONG
     records = await outbox_by_key(bot)
-    keys = ["m1:1", "m1:1#2", "m1:1#3", "m1:1#4"]
+    keys = keys_of("m1:1")
     assert sorted(records) == sorted(keys)
-    assert [records[k].previous_part for k in keys] == [None, "m1:1", "m1:1#2", "m1:1#3"]
+    assert [records[k].previous_part for k in keys] == [None, *keys[:-1]]
     assert [records[k].content["text"] for k in keys] == PARTS
     assert [records[k].state for k in keys] == ["sent"] * 4
     assert [records[k].message_id for k in keys] == [m.message_id for m in world.channel.sent]
@@ -160,7 +165,7 @@ async def test_inline_part_never_overtakes_a_retrying_part(harness: Any) -> None
     assert called_texts(world) == [PARTS[0]] * 4 + PARTS[1:]
     records = await outbox_by_key(bot)
     assert records["m1:1"].attempts == 4
-    assert [records[k].attempts for k in ("m1:1#2", "m1:1#3", "m1:1#4")] == [1, 1, 1]
+    assert [records[k].attempts for k in keys_of("m1:1")[1:]] == [1, 1, 1]
     await world.close()
 
 
@@ -178,8 +183,8 @@ async def test_background_parts_keep_their_order_and_whole_retry_budget(harness:
     assert world.channel.texts() == PARTS
     assert called_texts(world) == [PARTS[0]] * 3 + [PARTS[1]] * 3 + PARTS[2:]
     records = await outbox_by_key(bot)
-    assert [records[k].state for k in ("news", "news#2", "news#3", "news#4")] == ["sent"] * 4
-    assert [records[k].attempts for k in ("news", "news#2", "news#3", "news#4")] == [3, 3, 1, 1]
+    assert [records[k].state for k in keys_of("news")] == ["sent"] * 4
+    assert [records[k].attempts for k in keys_of("news")] == [3, 3, 1, 1]
     assert world.named("durability:dead") == []
     await world.close()
 
@@ -208,7 +213,7 @@ async def test_later_parts_die_with_a_dead_first_part(harness: Any) -> None:
     assert called_texts(world) == [PARTS[0]]
     assert bot.durability is not None
     dead = sorted(r.key for r in await bot.durability.outbox.list(state="dead"))
-    assert dead == ["m1:1", "m1:1#2", "m1:1#3", "m1:1#4"]
+    assert dead == keys_of("m1:1")
     assert sorted(e["id"] for e in world.named("durability:dead")) == dead
     assert bot.durability.metrics()["outbox_dead"] == 4
     await world.close()
@@ -225,7 +230,7 @@ async def test_later_parts_die_when_the_first_exhausts_its_retries(harness: Any)
     await world.drain()
     assert called_texts(world) == [PARTS[0]] * 2
     assert bot.durability is not None
-    assert sorted(r.key for r in await bot.durability.outbox.list(state="dead")) == ["n", "n#2", "n#3", "n#4"]
+    assert sorted(r.key for r in await bot.durability.outbox.list(state="dead")) == keys_of("n")
     await world.close()
 
 
@@ -270,8 +275,8 @@ async def test_explicit_key_parts(harness: Any) -> None:
     assert first.message_id == world.channel.sent[0].message_id
     assert again.deduped and again.message_id == first.message_id
     records = await outbox_by_key(bot)
-    assert records["promo#3"].previous_part == "promo#2"
-    assert records["promo#2"].previous_part == "promo"
+    assert records[part_key("promo", 3)].previous_part == part_key("promo", 2)
+    assert records[part_key("promo", 2)].previous_part == "promo"
     await world.close()
 
 
@@ -300,7 +305,7 @@ async def test_sweep_splits_a_recorded_send_over_the_limit(harness: Any) -> None
     await world.drain()
     assert world.channel.texts() == PARTS
     records = await outbox_by_key(bot)
-    keys = ["legacy:1", "legacy:1#2", "legacy:1#3", "legacy:1#4"]
+    keys = keys_of("legacy:1")
     assert sorted(records) == sorted(keys)
     assert [records[k].content["text"] for k in keys] == PARTS
     assert [records[k].previous_part for k in keys] == [None, *keys[:-1]]
@@ -362,7 +367,7 @@ async def test_split_interrupted_by_a_crash_records_and_sends_nothing_twice(harn
     await world.drain()
     assert world.channel.texts() == PARTS
     records = await outbox_by_key(bot)
-    keys = ["legacy:1", "legacy:1#2", "legacy:1#3", "legacy:1#4"]
+    keys = keys_of("legacy:1")
     assert sorted(records) == sorted(keys)
     assert [records[k].content["text"] for k in keys] == PARTS
     assert [records[k].previous_part for k in keys] == [None, *keys[:-1]]
@@ -388,7 +393,7 @@ async def test_split_interrupted_by_a_crash_is_finished_under_the_default_policy
     bot = await world.restart()
     await world.drain()
     records = await outbox_by_key(bot)
-    assert sorted(records) == ["legacy:1", "legacy:1#2", "legacy:1#3", "legacy:1#4"]
+    assert sorted(records) == keys_of("legacy:1")
     assert world.channel.texts() in (PARTS, PARTS[1:])
     await world.close()
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from botmesh.core import Bot, Flow, MemoryDurability, MemoryStore, ProviderError, RateLimitedError
+from botmesh.core.content import part_key
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.provider import (
     OutsideSessionWindowError,
@@ -669,7 +670,7 @@ class _FailsOnceOnGet(MemoryDurability):
 
 
 @spec("INB-2", "INB-5", "INB-9", "OUT-2")
-@pytest.mark.parametrize("failing_key", ["m1:2", "m1:1#2"], ids=["before-journaling-reply-2", "after-sending-reply-1"])
+@pytest.mark.parametrize("failing_key", ["m1:2", part_key("m1:1", 2)], ids=["before-journaling-reply-2", "after-sending-reply-1"])
 async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(failing_key: str, tmp_path: Any) -> None:
     """The journal fails under a handler's send — before the second reply was journaled,
     or in the bookkeeping right after the first was sent (looking for its next part): the

@@ -1,16 +1,19 @@
-"""Outgoing content: normalisation, the journal encoding (OUT-15), fingerprints (OUT-5)
-and the per-channel text splitter (OUT-12, OUT-13)."""
+"""Outgoing content: normalisation, the journal encoding (OUT-15), fingerprints (OUT-5),
+the per-channel text splitter (OUT-12, OUT-13) and the keys of a split text's parts."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import json
+import math
 from typing import Any
 
 
 class UnencodableContent(Exception):
-    """Content that cannot be journaled as JSON (a stream, a file object ...)."""
+    """Content that cannot be journaled as JSON (a stream, a file object, a NaN or
+    infinite float, a string with a lone surrogate, a key that is not a string ...). The
+    message names where in the content the value is (``content.meta.ratio: inf ...``)."""
 
 
 def normalize(content: Any) -> dict[str, Any]:
@@ -22,8 +25,32 @@ def normalize(content: Any) -> dict[str, Any]:
     raise TypeError(f"content must be a str or a dict, got {type(content).__name__}")
 
 
+def _check_str(value: str, path: str, what: str) -> None:
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end]
+        raise UnencodableContent(
+            f"{path}: {what} {_short(value)} holds the lone surrogate {bad!r}, which JSON text in UTF-8 cannot carry"
+        ) from None
+
+
+def _short(value: str) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _encode(value: Any, path: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnencodableContent(f"{path}: {value!r} is not a JSON number (JSON has no NaN or infinity)")
+        return value
+    if isinstance(value, str):
+        _check_str(value, path, "the string")
         return value
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
@@ -32,6 +59,7 @@ def _encode(value: Any, path: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise UnencodableContent(f"{path}: key {k!r} is not a string")
+            _check_str(k, path, "the key")
             out[k] = _encode(v, f"{path}.{k}")
         return out
     if isinstance(value, (list, tuple)):
@@ -41,7 +69,9 @@ def _encode(value: Any, path: str) -> Any:
 
 def encode(content: dict[str, Any]) -> dict[str, Any]:
     """The JSON form journaled in the outbox: bytes become ``{"$bytes": base64}``.
-    Raises :class:`UnencodableContent` for anything else that is not JSON."""
+    Raises :class:`UnencodableContent` for anything else that is not JSON — also for
+    what Python's ``json`` would write but no backend may store (``NaN``, ``Infinity``,
+    lone surrogates): every backend then sees the same thing, nothing (OUT-15)."""
     encoded = _encode(content, "content")
     assert isinstance(encoded, dict)
     return encoded
@@ -109,8 +139,50 @@ def split_content(content: dict[str, Any], limit: int | None) -> list[dict[str, 
     return [{**content, "text": chunk} for chunk in split_text(text, limit)]
 
 
+PART_SEPARATOR = "\x1f"
+"""U+001F (the ASCII *unit separator*): the character that puts the keys of a split
+text's later parts in a namespace of their own (OUT-12). No idempotency key a user gives
+may contain it (:func:`check_idempotency_key`), and the keys the engine makes itself
+(``<inbound id>:<n>``, ``<key>~<fingerprint>``, ``rnd:<hex>``) never end in
+``U+001F#<digits>``: so a part key never equals a user's key, whatever the user's key
+looks like (``order#2`` included)."""
+
+
 def part_key(key: str, index: int) -> str:
-    """Key of part ``index`` (1-based) of the send ``key``: ``key``, ``key#2`` ...
-    (OUT-12). The link between parts is stored in ``previous_part``, never inferred from
-    the key."""
+    """Key of part ``index`` (1-based) of the send ``key`` (OUT-12): ``key`` itself, then
+    ``key + "\x1f#2"``, ``key + "\x1f#3"`` … — printed, ``key#2``, as the spec writes
+    it; as a string never a key a user can send under. The link between parts is stored
+    in ``previous_part``, never inferred from the key."""
+    return key if index == 1 else f"{key}{PART_SEPARATOR}#{index}"
+
+
+def legacy_part_key(key: str, index: int) -> str:
+    """The part key earlier versions wrote (``key#2`` …), which a user's own key could
+    equal. Read only: chains an earlier version journaled keep their keys (see
+    :func:`send_key_of`), new ones use :func:`part_key`."""
     return key if index == 1 else f"{key}#{index}"
+
+
+def send_key_of(key: str, part: int) -> str:
+    """The key of the send that the record ``key`` (part ``part``) belongs to: the key
+    of its first part — for a part written by this version or by an earlier one."""
+    if part > 1:
+        for suffix in (part_key("", part), legacy_part_key("", part)):
+            if key.endswith(suffix) and len(key) > len(suffix):
+                return key[: -len(suffix)]
+    return key
+
+
+def check_idempotency_key(key: Any) -> str:
+    """An explicit ``idempotency_key=`` (OUT-3 rule 1), or a ``TypeError``/``ValueError``
+    naming it: a non-empty string without U+001F, the character reserved for the keys
+    of a split text's parts (:data:`PART_SEPARATOR`, OUT-12)."""
+    if not isinstance(key, str):
+        raise TypeError(f"idempotency_key must be a str, got {type(key).__name__} {key!r}")
+    if not key:
+        raise ValueError("idempotency_key must not be empty")
+    if PART_SEPARATOR in key:
+        raise ValueError(
+            f"idempotency_key {key!r} contains U+001F, reserved for the keys of a split text's parts (OUT-12)"
+        )
+    return key

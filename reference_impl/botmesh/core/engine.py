@@ -16,6 +16,9 @@ Choices where the spec is silent (also in the README):
   another incarnation, whatever its expiry; later sweeps only take expired leases.
 * ``attempts`` of an outbox record counts claims for sending (provider calls, plus the
   claim that resolves an ambiguity).
+* Part keys (OUT-12), one send per key at a time (OUT-2, OUT-10), the keys the send
+  errors carry (OUT-9) and unencodable content (OUT-15): README, "Choices where the
+  spec is silent".
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .backend import DurabilityBackend
 from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
 from .host import BotHost, CtxT, HandlerContext
+from .keylocks import KeyLocks
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
 
@@ -142,6 +146,7 @@ class DurabilityRuntime(Generic[CtxT]):
         self._sweep_task: asyncio.Task[None] | None = None
         self._local_inbound: set[str] = set()
         self._chat_locks: dict[str, asyncio.Lock] = {}
+        self._key_locks = KeyLocks(self.clock)  # OUT-2, OUT-10: one send per key at a time
         self._seq = 0
         self._next_purge = 0.0
 
@@ -457,13 +462,22 @@ class DurabilityRuntime(Generic[CtxT]):
             self._count("stale_leases")
         return rec.copy(content=parts[0])
 
-    async def _journal_parts(self, first: OutboxRecord, parts: list[dict[str, Any]]) -> None:
+    async def _journal_parts(self, first: OutboxRecord, parts: list[dict[str, Any]], *, resumed: bool = True) -> None:
+        """Record parts 2.. of ``first`` (OUT-12, OUT-13) under :func:`part_key`. A split
+        of a record that existed before (``resumed``) that an earlier version began under
+        the old keys (``key#2`` … linked to ``first``) is finished under those keys, so
+        that no part is recorded (and sent) twice."""
+        keys = contentlib.part_key
+        if resumed and len(parts) > 1:
+            old = await self.backend.outbox_get(self.scope, contentlib.legacy_part_key(first.key, 2))
+            if old is not None and old.previous_part == first.key and old.part == 2:
+                keys = contentlib.legacy_part_key
         now = self._now()
         for i in range(2, len(parts) + 1):
             part = OutboxRecord(
-                key=contentlib.part_key(first.key, i), chat_id=first.chat_id, content=parts[i - 1],
+                key=keys(first.key, i), chat_id=first.chat_id, content=parts[i - 1],
                 fingerprint=first.fingerprint, rule=first.rule, inbound_id=first.inbound_id,
-                previous_part=contentlib.part_key(first.key, i - 1), part=i, origin=first.origin, state="pending",
+                previous_part=keys(first.key, i - 1), part=i, origin=first.origin, state="pending",
                 next_at=now, created_at=first.created_at, updated_at=now, seq=first.seq,
             )
             _, created = await self.backend.outbox_journal(self.scope, part)
@@ -507,7 +521,8 @@ class DurabilityRuntime(Generic[CtxT]):
     # -- sends ----------------------------------------------------------------------------
     def _key_for(self, ctx: HandlerContext | None, explicit: str | None) -> tuple[str, str]:
         if explicit is not None:
-            return explicit, "explicit"  # OUT-3 rule 1 (per bot: the scope isolates it, OUT-4)
+            # OUT-3 rule 1 (per bot: the scope isolates it, OUT-4); never a part's key (OUT-12)
+            return contentlib.check_idempotency_key(explicit), "explicit"
         if ctx is not None and ctx.record_id is not None:
             ctx.send_count += 1
             return f"{ctx.record_id}:{ctx.send_count}", "derived"  # rule 2
@@ -522,7 +537,7 @@ class DurabilityRuntime(Generic[CtxT]):
                 fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
             except contentlib.UnencodableContent as exc:
                 return await self._bypass(chat_id, content, str(exc))
-            async with self._in_chat_order(chat_id):  # OUT-11
+            async with self._in_chat_order(chat_id), self._key_locks.hold(key):  # OUT-11, OUT-2
                 try:
                     step = await self._record_send(chat_id, content, key, rule, fp, ctx)
                     if isinstance(step, SendResult):
@@ -564,7 +579,9 @@ class DurabilityRuntime(Generic[CtxT]):
         encoded = await self._encode_or_bypass(chat_id, prepared)
         if isinstance(encoded, SendResult):
             return encoded
-        rec = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
+        rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
+        if not created:  # another process journaled this key meanwhile (OUT-2)
+            return rec, True
         if rec.state != "sending":
             claim = await self._claim_send(key, recover=False)
             if claim is None:
@@ -574,10 +591,11 @@ class DurabilityRuntime(Generic[CtxT]):
 
     async def _journal_new(
         self, key: str, rule: str, chat_id: str, encoded: dict[str, Any], fp: str, ctx: HandlerContext | None, *, origin: str
-    ) -> OutboxRecord:
+    ) -> tuple[OutboxRecord, bool]:
         """Journal a new send (OUT-1): one record in state ``sending`` (inline, fits the
         channel) or ``pending``; a text over the limit is split into parts first
-        (OUT-12)."""
+        (OUT-12). Returns the record and whether this call created it (False: the key
+        was journaled meanwhile, by another process; the record is the stored one)."""
         now = self._now()
         self._seq += 1
         parts = contentlib.split_content(encoded, self.bot.provider.text_limit)
@@ -594,14 +612,14 @@ class DurabilityRuntime(Generic[CtxT]):
         )
         stored, created = await self.backend.outbox_journal(self.scope, rec)
         if not created:
-            return stored
+            return stored, False
         self._count("outbox_journaled")
         if len(parts) > 1:
-            await self._journal_parts(rec, parts)
+            await self._journal_parts(rec, parts, resumed=False)
             if not await self.backend.outbox_split(self.scope, key, token=None, content=parts[0]):
                 self._count("stale_leases")
             rec = rec.copy(content=parts[0])
-        return rec
+        return rec, True
 
     async def _drive_existing(self, rec: OutboxRecord) -> SendResult:
         """A send whose key is journaled already: answer from the outbox (OUT-2) or
@@ -638,23 +656,28 @@ class DurabilityRuntime(Generic[CtxT]):
                     return SendResult(ids[0], first_key, ids)
                 rec = nxt
                 continue
+            # OUT-9: the errors name the send (``first_key``) and the part's record
             if isinstance(outcome, _Dead):
                 cause = outcome.error if isinstance(outcome.error, BaseException) else None
-                raise SendFailedError(rec.key, repr(outcome.error), cause)
+                raise SendFailedError(first_key, repr(outcome.error), cause, part_key=rec.key)
             if self._now() + outcome.delay - started > self.config.outbox.inline_max_ms:
                 self._count("outbox_deferred")
-                raise SendDeferredError(rec.key, outcome.error)
+                raise SendDeferredError(first_key, outcome.error, part_key=rec.key)
             await self.clock.sleep(outcome.delay)
             claim = await self._claim_send(rec.key, recover=False)
             if claim is None:
                 self._count("outbox_deferred")
-                raise SendDeferredError(rec.key, outcome.error)
+                raise SendDeferredError(first_key, outcome.error, part_key=rec.key)
             self._count("outbox_retried")
             rec = claim[0]
 
     async def _following_part(self, rec: OutboxRecord) -> OutboxRecord | None:
-        """The part journaled right after ``rec`` (linked by ``previous_part``), if any."""
-        base = rec.key if rec.part == 1 else rec.key[: -len(f"#{rec.part}")]
+        """The part journaled right after ``rec`` (linked by ``previous_part``), if any
+        — a user's record under a key that looks like a part's never is (OUT-12). The
+        later parts of a chain an earlier version journaled under ``key#2`` … are not
+        followed here: the sweep sends them, each due as soon as the one before is
+        sent."""
+        base = contentlib.send_key_of(rec.key, rec.part)
         nxt = await self.backend.outbox_get(self.scope, contentlib.part_key(base, rec.part + 1))
         return nxt if nxt is not None and nxt.previous_part == rec.key else None
 
@@ -696,21 +719,23 @@ class DurabilityRuntime(Generic[CtxT]):
         with self.clock.busy():
             content = contentlib.normalize(content)
             key, rule = self._key_for(None, idempotency_key)
-            if await self.backend.outbox_get(self.scope, key) is not None:
-                return {"key": key}
-            try:
-                fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
-            except contentlib.UnencodableContent as exc:
-                await self._bypass(chat_id, content, str(exc))
-                return {"key": key}
-            prepared = await self.bot.run_before_send(chat_id, content)
-            if prepared is None:
-                return {"key": key}
-            encoded = await self._encode_or_bypass(chat_id, prepared)
-            if isinstance(encoded, SendResult):
-                return {"key": key}
-            await self._journal_new(key, rule, chat_id, encoded, fp, None, origin="enqueue")
-            self._spawn(self._deliver_soon(key))
+            async with self._key_locks.hold(key):  # hooks once per journaled send
+                if await self.backend.outbox_get(self.scope, key) is not None:
+                    return {"key": key}
+                try:
+                    fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
+                except contentlib.UnencodableContent as exc:
+                    await self._bypass(chat_id, content, str(exc))
+                    return {"key": key}
+                prepared = await self.bot.run_before_send(chat_id, content)
+                if prepared is None:
+                    return {"key": key}
+                encoded = await self._encode_or_bypass(chat_id, prepared)
+                if isinstance(encoded, SendResult):
+                    return {"key": key}
+                _, created = await self._journal_new(key, rule, chat_id, encoded, fp, None, origin="enqueue")
+            if created:
+                self._spawn(self._deliver_soon(key))
             return {"key": key}
 
     async def _deliver_soon(self, key: str) -> None:

@@ -75,24 +75,36 @@ class JournalLockedError(DurabilityError):
 
 class SendDeferredError(BotmeshError):
     """``ctx.reply``/``bot.send`` gave up retrying inline after ``outbox.inline_max_ms``
-    (OUT-9). The send is not lost: the background sweep keeps retrying it under ``key``."""
+    (OUT-9). The send is not lost: the background sweep keeps retrying it under ``key``.
+
+    ``key`` is the send's key (the one given or derived, OUT-3) also when the text was
+    split and a later part is the one deferred; ``part_key`` is the key of the part's
+    record that is waiting (``key`` itself for the first part)."""
 
     code = "SEND_DEFERRED"
 
-    def __init__(self, key: str, cause: BaseException | None = None) -> None:
-        super().__init__(f"send deferred to the background sweep (outbox key {key!r})")
+    def __init__(self, key: str, cause: BaseException | None = None, *, part_key: str | None = None) -> None:
+        part = part_key if part_key is not None else key
+        where = "" if part == key else f", part {part!r}"
+        super().__init__(f"send deferred to the background sweep (outbox key {key!r}{where})")
         self.key = key
+        self.part_key = part
         self.__cause__ = cause
 
 
 class SendFailedError(BotmeshError):
     """A journaled send went to the dead-letter queue (definitive error or retries
-    exhausted). ``key`` is its outbox key."""
+    exhausted). ``key`` is its outbox key — the send's, also when a later part of a split
+    text died; ``part_key`` is the key of the part's record that died (``key`` itself for
+    the first part)."""
 
     code = "SEND_DEAD"
 
-    def __init__(self, key: str, error: str, cause: BaseException | None = None) -> None:
-        super().__init__(f"send {key!r} is dead: {error}")
+    def __init__(self, key: str, error: str, cause: BaseException | None = None, *, part_key: str | None = None) -> None:
+        part = part_key if part_key is not None else key
+        where = "" if part == key else f" (part {part!r})"
+        super().__init__(f"send {key!r}{where} is dead: {error}")
         self.key = key
+        self.part_key = part
         self.error = error
         self.__cause__ = cause
