@@ -314,14 +314,16 @@ class DurabilityRuntime(Generic[CtxT]):
                 self.config.inbox.lease_ms,
             ):
                 replayed_media = None
-                if live_event is None:
-                    ev = record.event
-                    live_event = InboundEvent(
-                        id=ev.get("id", record.id), chat_id=ev.get("chat_id", record.chat_id), text=ev.get("text", ""),
-                        kind=ev.get("kind", record.kind), user_id=ev.get("user_id"), data=ev.get("data") or {},
-                    )
-                    replayed_media = rehydrate(self.bot.provider, ev.get("media"))  # MEDIA-2
                 try:
+                    if live_event is None:
+                        ev = record.event
+                        live_event = InboundEvent(
+                            id=ev.get("id", record.id), chat_id=ev.get("chat_id", record.chat_id),
+                            text=ev.get("text", ""), kind=ev.get("kind", record.kind), user_id=ev.get("user_id"),
+                            data=ev.get("data") or {},
+                        )
+                        # MEDIA-2; never raises: a bad reference fails only the download (MEDIA-3)
+                        replayed_media = rehydrate(self.bot.provider, ev.get("media"))
                     ctx = await self.bot.prepare(live_event, record, replayed_media)
                 except Exception as exc:  # INB-5: failure before the handlers
                     await self._inbox_failed(record, exc)
