@@ -1,0 +1,145 @@
+"""The machinery of the engine's background sweep that is not recovery logic itself:
+the per-chat replay tasks and the purge schedule (OPS-3).
+:class:`~botmesh.core.engine.DurabilityRuntime` drives them; what a replay or a delivery
+*does* stays in the engine.
+
+Choices where the spec is silent (also in the README):
+
+* **Replays never block sends.** The sweep hands each due inbound record to its chat's
+  replay task and goes on; at most :data:`REPLAY_CONCURRENCY` replays run at once, the
+  records of one chat one after the other in due order (a flow's answers keep their
+  order). A replayed handler that takes minutes delays neither a due send nor the next
+  pass.
+* **Purging keeps up.** Expired records are deleted in batches of :data:`PURGE_BATCH`
+  per journal, up to :data:`PURGE_BATCHES_PER_PASS` batches per pass; a journal that has
+  more is purged again at the next pass instead of the next purge period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .backend import DurabilityBackend
+from .clock import Clock
+
+REPLAY_CONCURRENCY = 8
+"""Inbound replays the sweep runs at once (one chat each)."""
+
+PURGE_BATCH = 500
+"""Records a purge deletes per journal and call (OPS-3)."""
+
+PURGE_BATCHES_PER_PASS = 8
+"""Purge calls per journal in one pass: up to 4000 records a journal per ``poll_ms``
+when behind."""
+
+PURGE_PERIOD_MS = 60_000.0
+"""Purging is a write: once a minute (or once per retention, when shorter) is plenty for
+a retention measured in days, unless a journal is behind."""
+
+
+Replay = Callable[[str, bool], Awaitable[None]]
+"""``replay(id, recover)``: claim and run one due inbound record."""
+
+Failed = Callable[[str, bool, Exception], Awaitable[None]]
+"""``failed(id, recover, error)``: a replay raised."""
+
+
+class ChatReplays:
+    """The due inbound records the sweep handed on, replayed by one task per chat.
+
+    ``spawn`` starts a task the runtime owns (and cancels when it stops or dies);
+    ``replay`` claims and runs a record; ``failed`` reports a replay that raised (the
+    chat's next record is replayed all the same). Waiting for one of the
+    ``concurrency`` slots is not busy work for the clock: the replays holding them may
+    be sleeping on it.
+    """
+
+    def __init__(self, clock: Clock, spawn: Callable[[Awaitable[Any]], object], replay: Replay, failed: Failed,
+                 concurrency: int = REPLAY_CONCURRENCY) -> None:
+        self._clock = clock
+        self._spawn = spawn
+        self._replay = replay
+        self._failed = failed
+        self._concurrency = concurrency
+        self._queues: dict[str, collections.deque[tuple[str, bool]]] = {}
+        self._ids: set[str] = set()
+        self._slots = asyncio.Semaphore(concurrency)
+
+    def reset(self) -> None:
+        """Forget every queue (a new start: the old tasks are gone)."""
+        self._queues.clear()
+        self._ids.clear()
+        self._slots = asyncio.Semaphore(self._concurrency)
+
+    def __contains__(self, id: object) -> bool:
+        """True while ``id`` is queued or being replayed here."""
+        return id in self._ids
+
+    def add(self, chat_id: str, id: str, *, recover: bool) -> None:
+        """Queue ``id`` behind its chat's earlier records (a task starts for a chat that
+        has none)."""
+        self._ids.add(id)
+        queue = self._queues.get(chat_id)
+        if queue is not None:
+            queue.append((id, recover))
+            return
+        queue = self._queues[chat_id] = collections.deque([(id, recover)])
+        self._spawn(self._run(chat_id, queue))
+
+    async def _run(self, chat_id: str, queue: collections.deque[tuple[str, bool]]) -> None:
+        slots = self._slots
+        try:
+            while queue:
+                id, recover = queue[0]
+                await slots.acquire()
+                try:
+                    with self._clock.busy():
+                        try:
+                            await self._replay(id, recover)
+                        except Exception as exc:
+                            await self._failed(id, recover, exc)
+                finally:
+                    slots.release()
+                queue.popleft()
+                self._ids.discard(id)
+        finally:
+            if self._queues.get(chat_id) is queue:
+                del self._queues[chat_id]
+            self._ids.difference_update(i for i, _ in queue)
+
+
+PurgeFailed = Callable[[str, Exception], Awaitable[None]]
+"""``failed(journal, error)``: a purge call raised."""
+
+
+class Purger:
+    """OPS-3: when (and how much) the sweep purges. :meth:`run` is called at every pass
+    and purges when the period has come."""
+
+    def __init__(self, failed: PurgeFailed) -> None:
+        self.next_at = 0.0
+        self._failed = failed
+
+    async def run(self, backend: DurabilityBackend, scope: str, now: Callable[[], float], retention_ms: float) -> None:
+        """Delete the ``done``/``sent`` records past their retention, in batches; a
+        journal with more than one pass deletes is purged again at the next pass. A
+        purge call that raises is reported through ``failed`` (the other journal is
+        purged all the same)."""
+        if retention_ms <= 0 or now() < self.next_at:
+            return
+        self.next_at = now() + min(PURGE_PERIOD_MS, retention_ms)
+        behind = False
+        for name, purge in (("inbox", backend.inbox_purge), ("outbox", backend.outbox_purge)):
+            try:
+                for _ in range(PURGE_BATCHES_PER_PASS):
+                    if await purge(scope, now=now(), limit=PURGE_BATCH) < PURGE_BATCH:
+                        break
+                else:
+                    behind = True
+            except Exception as exc:
+                await self._failed(name, exc)
+        if behind:
+            self.next_at = now()
