@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from .errors import DurabilityError, SendDeferredError, SendFailedError
 from .host import BotHost, CtxT, HandlerContext
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
-from .sweep import ChatReplays, Purger
+from .sweep import ChatReplays, Purger, default_instance_id
 
 log = logging.getLogger("botmesh.durability")
 
@@ -132,8 +131,7 @@ class DurabilityRuntime(Generic[CtxT]):
         if config.instance_id is not None:
             self.instance_id = config.instance_id
         else:  # LEASE-3
-            base = f"{socket.gethostname()}/{bot.bot_id}/{bot.connection_id}"
-            self.instance_id = f"{base}/{uuid.uuid4().hex[:8]}" if self.backend.capabilities.shared else base
+            self.instance_id = default_instance_id(bot.bot_id, bot.connection_id, self.backend.capabilities)
         self.incarnation = uuid.uuid4().hex
         self.inbox = _Journal(self, "inbox")
         self.outbox = _Journal(self, "outbox")

@@ -1,7 +1,7 @@
 """The machinery of the engine's background sweep that is not recovery logic itself:
-the per-chat replay tasks and the purge schedule (OPS-3).
-:class:`~botmesh.core.engine.DurabilityRuntime` drives them; what a replay or a delivery
-*does* stays in the engine.
+the per-chat replay tasks, the purge schedule (OPS-3) and the default ``instance_id``
+(LEASE-3). :class:`~botmesh.core.engine.DurabilityRuntime` drives them; what a replay
+or a delivery *does* stays in the engine.
 
 Choices where the spec is silent (also in the README):
 
@@ -13,17 +13,23 @@ Choices where the spec is silent (also in the README):
 * **Purging keeps up.** Expired records are deleted in batches of :data:`PURGE_BATCH`
   per journal, up to :data:`PURGE_BATCHES_PER_PASS` batches per pass; a journal that has
   more is purged again at the next pass instead of the next purge period.
+* **LEASE-3 on SQLite.** A backend that several live processes may use at once —
+  ``shared`` (PostgreSQL, Redis) or ``multi_process`` (SQLite) — gives the default
+  ``instance_id`` a per-boot suffix, rather than refusing a second process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import socket
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .backend import DurabilityBackend
 from .clock import Clock
+from .spi_types import Capabilities
 
 REPLAY_CONCURRENCY = 8
 """Inbound replays the sweep runs at once (one chat each)."""
@@ -38,6 +44,21 @@ when behind."""
 PURGE_PERIOD_MS = 60_000.0
 """Purging is a write: once a minute (or once per retention, when shorter) is plenty for
 a retention measured in days, unless a journal is behind."""
+
+
+def default_instance_id(bot_id: str, connection_id: str, capabilities: Capabilities) -> str:
+    """LEASE-3: ``<hostname>/<bot_id>/<connection_id>``, plus a per-boot suffix (8 hex
+    digits, new for every runtime) on a backend that several live processes may use at
+    once: a shared one (PostgreSQL, Redis) and one of several processes of a host
+    (``multi_process``: SQLite). Two processes with the default id then never take each
+    other's leases (LEASE-5); a restart, under a new suffix, waits for the old leases to
+    expire instead of taking them back at once (LEASE-4 needs an explicit, stable
+    ``instance_id``). A single-process backend (memory, file — whose pid lock refuses a
+    second process) keeps the plain id."""
+    base = f"{socket.gethostname()}/{bot_id}/{connection_id}"
+    if capabilities.shared or capabilities.multi_process:
+        return f"{base}/{uuid.uuid4().hex[:8]}"
+    return base
 
 
 Replay = Callable[[str, bool], Awaitable[None]]
