@@ -1,8 +1,9 @@
 """The background sweep under load and under failure (issue 12): purging keeps up with a
 sustained rate (OPS-3); a slow replayed handler never delays a due send; one record's
 failure is an ``error`` event and the pass goes on with the others (INB-3, OUT-7);
-replays of one chat keep their order, several chats' replays run at once, within a
-bound. Everything runs in virtual time (``botmesh.core.clock.VirtualClock``)."""
+replays run one at a time in due order, so a message that kills the process at every
+replay is the only one dead-lettered (INB-7). Everything runs in virtual time
+(``botmesh.core.clock.VirtualClock``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from botmesh.core import Bot, InboundEvent, MemoryDurability, ProviderError, Vir
 from botmesh.core.backend import DurabilityBackend
 from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.store import MemoryStore
-from botmesh.core.sweep import REPLAY_CONCURRENCY
-from botmesh.core.testing import MockProvider
+from botmesh.core.testing import MockProvider, SimulatedCrash
 
 from botmesh_testkit.backends.base import BackendHarness
 from botmesh_testkit.crash import World
@@ -80,9 +80,9 @@ async def test_purging_keeps_up_with_a_sustained_rate() -> None:
 
 @spec("OPS-3")
 async def test_a_purge_backlog_is_worked_off_at_the_next_passes_not_the_next_period() -> None:
-    """OPS-3: 9000 expired records per journal (a bot that was down for a while, or a
+    """OPS-3: 5000 expired records per journal (a bot that was down for a while, or a
     retention just shortened): they are all purged within a few passes (``poll_ms`` =
-    1 s apart), not one batch per purge period (that took 18 minutes before the fix).
+    1 s apart), not one batch per purge period (that took 10 minutes before the fix).
     Memory backend: the schedule is the engine's."""
     clock = VirtualClock()
     backend = MemoryDurability()
@@ -93,7 +93,7 @@ async def test_a_purge_backlog_is_worked_off_at_the_next_passes_not_the_next_per
     d = bot.durability
     assert d is not None
     now = clock.now()
-    for i in range(9000):
+    for i in range(5000):
         rec = InboxRecord(id=f"m{i}", chat_id="c", event={"id": f"m{i}", "chat_id": "c"}, state="leased",
                           attempts=1, token=1, owner="i1", incarnation=d.incarnation, lease_until=now + 60_000,
                           claimed_at=now, created_at=now, updated_at=now)
@@ -105,10 +105,10 @@ async def test_a_purge_backlog_is_worked_off_at_the_next_passes_not_the_next_per
         await backend.outbox_journal(d.scope, out)
         assert await backend.outbox_mark_sent(d.scope, f"k{i}", token=1, message_id="x", now=now,
                                               expires_at=now + 1)
-    assert await journal_sizes(bot) == (9000, 9000)
+    assert await journal_sizes(bot) == (5000, 5000)
     await clock.advance(60_000)  # the purge period comes: the first pass of the purge
     first = await journal_sizes(bot)
-    assert first[0] < 9000 and first[1] < 9000  # it began
+    assert first[0] < 5000 and first[1] < 5000  # it began
     await clock.advance(5_000)  # a few passes later, not another period
     assert await journal_sizes(bot) == (0, 0), first
     await bot.stop()
@@ -162,9 +162,9 @@ async def test_a_slow_replayed_handler_does_not_delay_a_due_send_retry(harness: 
 
 
 @spec("INB-3", "GUAR-5")
-async def test_replays_of_one_chat_keep_their_order_while_other_chats_run_at_once(harness: BackendHarness) -> None:
-    """Replays of one chat run one after the other, in due order (a flow's answers keep
-    their order); another chat's replays do not wait for them."""
+async def test_replays_run_one_at_a_time_in_due_order(harness: BackendHarness) -> None:
+    """The replays of one pass run one after the other in due order (each chat's
+    messages keep their order: a flow's answers), behind a slow one too."""
     started: list[str] = []
     finished: list[str] = []
     world = World(harness, setup=slow_setup(started, finished))
@@ -173,50 +173,63 @@ async def test_replays_of_one_chat_keep_their_order_while_other_chats_run_at_onc
     d = bot.durability
     assert d is not None
     now = world.clock.now()
-    # waiting for a retry, due in this order: a1, b1, a2, b2 (a1 and b1 are slow)
-    for id, chat, text, at in [("a1", "A", "slow", now), ("b1", "B", "slow", now + 1), ("a2", "A", "x", now + 2),
-                               ("b2", "B", "x", now + 3)]:
-        assert (await d.backend.inbox_journal(d.scope, _pending_inbound(id, chat, text, at)))[1]
+    # waiting for a retry, due in this order; a1 is slow
+    order = [("a1", "A", "slow"), ("b1", "B", "x"), ("a2", "A", "x"), ("b2", "B", "x")]
+    for n, (id, chat, text) in enumerate(order):
+        assert (await d.backend.inbox_journal(d.scope, _pending_inbound(id, chat, text, now + n)))[1]
     await world.clock.advance(d.config.poll_ms)
-    assert started == ["a1", "b1"]  # both chats' first records at once; a2 and b2 wait behind them
+    assert started == ["a1"]
     await world.clock.advance(301_000)
-    assert [i for i in finished if i.startswith("a")] == ["a1", "a2"]
-    assert [i for i in finished if i.startswith("b")] == ["b1", "b2"]
-    assert sorted(world.channel.texts()) == ["re:slow", "re:slow", "re:x", "re:x"]
+    assert started == finished == ["a1", "b1", "a2", "b2"]
+    assert world.channel.texts() == ["re:slow", "re:x", "re:x", "re:x"]
     await world.close()
 
 
-@spec("INB-3")
-async def test_replays_run_at_once_within_a_bound() -> None:
-    """More chats with due records than replay slots: all are replayed, never more than
-    the bound at once, and more than one at a time."""
-    running = [0]
-    peak = [0]
-    done: list[str] = []
-    clock = VirtualClock()
-    backend = MemoryDurability()
-    bot = Bot(MockProvider(), MemoryStore(), {"backend": backend, "instance_id": "i1"}, clock=clock)
+@spec("INB-7", "GUAR-7", "INB-3")
+async def test_a_message_that_kills_every_replay_is_the_only_one_dead_lettered(harness: BackendHarness) -> None:
+    """INB-7: a message whose handler kills the process, due first among others waiting
+    for a retry: each restart charges it one execution and only it (the replays run one
+    at a time, so nothing else is in flight when it kills); after
+    ``inbox.max_attempts`` it goes to the DLQ and every other message is processed and
+    done in one execution. Replays running at once would charge every record in flight
+    at each death and dead-letter the innocent messages with it."""
+    world = World(harness, durability={"inbox": {"max_attempts": 3}})
 
-    @bot.otherwise
-    async def handler(ctx: Any) -> None:
-        running[0] += 1
-        peak[0] = max(peak[0], running[0])
-        await clock.sleep(10_000)
-        running[0] -= 1
-        done.append(ctx.event.id)
+    def setup(bot: Bot) -> None:
+        @bot.otherwise
+        async def handler(ctx: Any) -> None:
+            if ctx.text == "poison":
+                assert world.crashable is not None
+                world.crashable.crashed = True  # the process dies in this handler
+                raise SimulatedCrash("the handler killed the process")
+            await ctx.reply(f"re:{ctx.text}")
 
-    await bot.start()
-    await clock.settle()
-    d = bot.durability
+    world.setup = setup
+    await world.start(crash=True)
+    assert world.bot is not None and world.crashable is not None
+    d = world.bot.durability
     assert d is not None
-    chats = 3 * REPLAY_CONCURRENCY
-    now = clock.now()
-    for i in range(chats):
-        await backend.inbox_journal(d.scope, _pending_inbound(f"m{i}", f"c{i}", "x", now))
-    await clock.advance(200_000)
-    assert sorted(done) == sorted(f"m{i}" for i in range(chats))
-    assert 1 < peak[0] <= REPLAY_CONCURRENCY, peak
-    await bot.stop()
+    await world.clock.settle()
+    now = world.clock.now()
+    ids = ["p", "m1", "m2", "m3", "m4"]
+    for n, id in enumerate(ids):
+        rec = _pending_inbound(id, f"c{n}", "poison" if id == "p" else id, now + n)
+        assert (await world.crashable.inner.inbox_journal(d.scope, rec))[1]
+    deaths = 0
+    for _ in range(10):
+        await world.clock.advance(d.config.poll_ms)
+        if not world.crashed:
+            break
+        deaths += 1
+        await world.restart(crash=True)
+    await world.drain()
+    assert world.bot.durability is not None
+    records = {r.id: r for r in await world.bot.durability.inbox.list()}
+    assert records["p"].state == "dead" and deaths == 3
+    assert {i: (records[i].state, records[i].attempts) for i in ids[1:]} == {i: ("done", 1) for i in ids[1:]}
+    assert sorted(world.channel.texts()) == ["re:m1", "re:m2", "re:m3", "re:m4"]
+    assert [e["id"] for e in world.named("durability:dead")] == ["p"]
+    await world.close()
 
 
 # -- one record's failure is isolated ---------------------------------------------------------

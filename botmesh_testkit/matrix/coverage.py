@@ -46,7 +46,7 @@ NOTE_TRACER_ACTIVE = "recovery coverage off: another tracer is active"
 
 RECOVERY_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("sweep", "the pass after a start: finds the due inbound records (INB-3) and hands them to the replay "
-              "tasks, delivers due sends"),
+              "task, delivers due sends"),
     ("_replay_due", "a due inbound record: claimed (LEASE-4 takes back a dead incarnation's lease), replayed "
                     "or dead-lettered (INB-3, INB-7)"),
     ("_claim_inbound", "inbox claim helper (recover=True takes a dead incarnation's lease)"),

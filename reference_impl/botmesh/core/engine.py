@@ -36,7 +36,7 @@ from .errors import DurabilityError, SendDeferredError, SendFailedError
 from .host import BotHost, CtxT, HandlerContext
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
-from .sweep import ChatReplays, Purger, default_instance_id
+from .sweep import Purger, Replays, default_instance_id
 
 log = logging.getLogger("botmesh.durability")
 
@@ -142,7 +142,7 @@ class DurabilityRuntime(Generic[CtxT]):
         self._local_inbound: set[str] = set()
         self._chat_locks: dict[str, asyncio.Lock] = {}
         self._seq = 0
-        self._replays = ChatReplays(self.clock, self._spawn, self._replay_due, self._replay_failed)
+        self._replays = Replays(self._spawn, self._replay_due, self._replay_failed)
         self._purger = Purger(lambda journal, exc: self._sweep_failed("sweep.purge", exc, journal=journal))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -369,32 +369,25 @@ class DurabilityRuntime(Generic[CtxT]):
             await self.clock.sleep(self.config.poll_ms)
 
     async def _sweep_failed(self, stage: str, exc: Exception, **where: str) -> None:
-        """One record's failure in the sweep: reported, never the end of the pass."""
-        log.warning("%s: %s failed: %r", stage, where, exc)
+        """One record's failure in the sweep: reported (logged when nobody listens),
+        never the end of the pass."""
         await self.bot.emit("error", {"error": exc, "stage": stage, **where})
 
     async def sweep(self) -> None:
         """One pass: recover or take over due inbound records (INB-3, INB-7, LEASE-2,
-        LEASE-4) — handed to per-chat replay tasks (``sweep.ChatReplays`` running
-        :meth:`_replay_due`) the pass does not wait for —, deliver due sends (OUT-7,
-        OUT-12..14), purge (OPS-3). A record's failure is an ``error`` event (``stage``
-        ``sweep.inbox``/``.outbox``/``.purge``, its ``id``/``key``); the pass goes on. The
-        first pass after a start (LEASE-4) is repeated until it handed on all it found."""
+        LEASE-4) — handed to the replay task (``sweep.Replays`` running
+        :meth:`_replay_due`, one at a time) the pass does not wait for —, deliver due
+        sends (OUT-7, OUT-12..14), purge (OPS-3). A record's failure is an ``error`` event
+        (``stage`` ``sweep.inbox``/``.outbox``/``.purge``, its ``id``/``key``); the pass
+        goes on. The first pass after a start (LEASE-4) is repeated until it handed on
+        all it found."""
         recover = not self._recovered
         upto = math.inf if recover else self._now()
         b, scope = self.backend, self.scope
         handed_on = True  # every record found was handed on: the recovery (if this is it) is over
         for id in await b.inbox_due(scope, upto=upto, limit=100):
-            if id in self._local_inbound or id in self._replays:
-                continue  # running or queued here already
-            try:
-                found = await b.inbox_get(scope, id)
-            except Exception as exc:
-                handed_on = False
-                await self._sweep_failed("sweep.inbox", exc, id=id)
-                continue
-            if found is not None:
-                self._replays.add(found.chat_id, id, recover=recover)
+            if id not in self._local_inbound and id not in self._replays:  # not running or queued here
+                self._replays.add(id, recover=recover)
         records: list[OutboxRecord] = []
         for key in await b.outbox_due(scope, upto=upto, limit=100):
             try:
@@ -422,24 +415,26 @@ class DurabilityRuntime(Generic[CtxT]):
         await self._purger.run(b, scope, self._now, self.config.retention_ms)
 
     async def _replay_failed(self, id: str, recover: bool, exc: Exception) -> None:
-        if recover:
-            self._recovered = False  # not taken back: the next pass recovers again
-        await self._sweep_failed("sweep.inbox", exc, id=id)
+        with self.clock.busy():
+            if recover:
+                self._recovered = False  # not taken back: the next pass recovers again
+            await self._sweep_failed("sweep.inbox", exc, id=id)
 
     async def _replay_due(self, id: str, recover: bool) -> None:
         """Claim a due inbound record and run it again (INB-3, LEASE-2, LEASE-4), or
         dead-letter it when its executions keep dying (INB-7, GUAR-7)."""
-        b, scope = self.backend, self.scope
-        record = await self._claim_inbound(id, recover=recover)
-        if record is None:
-            return  # taken elsewhere, or not due any more
-        if record.attempts > self.config.inbox.max_attempts:  # INB-7, GUAR-7
-            error = f"{record.attempts - 1} charged executions never finished"
-            if await b.inbox_kill(scope, id, token=record.token, now=self._now(), error=error):
-                await self._dead("inbox", id, error)
-            return
-        self._count("inbound_replayed")
-        await self._execute(record, None)
+        with self.clock.busy():
+            b, scope = self.backend, self.scope
+            record = await self._claim_inbound(id, recover=recover)
+            if record is None:
+                return  # taken elsewhere, or not due any more
+            if record.attempts > self.config.inbox.max_attempts:  # INB-7, GUAR-7
+                error = f"{record.attempts - 1} charged executions never finished"
+                if await b.inbox_kill(scope, id, token=record.token, now=self._now(), error=error):
+                    await self._dead("inbox", id, error)
+                return
+            self._count("inbound_replayed")
+            await self._execute(record, None)
 
     async def _deliver(self, rec: OutboxRecord, *, recover: bool) -> None:
         """Deliver one due send from the background (enqueued, deferred, failed,

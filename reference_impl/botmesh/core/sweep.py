@@ -1,15 +1,18 @@
 """The machinery of the engine's background sweep that is not recovery logic itself:
-the per-chat replay tasks, the purge schedule (OPS-3) and the default ``instance_id``
-(LEASE-3). :class:`~botmesh.core.engine.DurabilityRuntime` drives them; what a replay
-or a delivery *does* stays in the engine.
+the replay task, the purge schedule (OPS-3) and the default ``instance_id`` (LEASE-3).
+:class:`~botmesh.core.engine.DurabilityRuntime` drives them; what a replay or a delivery
+*does* stays in the engine.
 
 Choices where the spec is silent (also in the README):
 
-* **Replays never block sends.** The sweep hands each due inbound record to its chat's
-  replay task and goes on; at most :data:`REPLAY_CONCURRENCY` replays run at once, the
-  records of one chat one after the other in due order (a flow's answers keep their
-  order). A replayed handler that takes minutes delays neither a due send nor the next
-  pass.
+* **Replays never block sends.** The sweep hands each due inbound record to the replay
+  task (:class:`Replays`) and goes on to the due sends; a replayed handler that takes
+  minutes delays neither a due send nor the next pass. The replays themselves run one at
+  a time, in due order, on purpose: when a replay kills the process, only the record in
+  flight is charged an execution, so INB-7 sends the record that kills (and only that
+  one) to the DLQ — concurrent replays would charge every record in flight with it, and
+  dead-letter innocent messages alongside a poisonous one. It also keeps each chat's
+  records in order (a flow's answers).
 * **Purging keeps up.** Expired records are deleted in batches of :data:`PURGE_BATCH`
   per journal, up to :data:`PURGE_BATCHES_PER_PASS` batches per pass; a journal that has
   more is purged again at the next pass instead of the next purge period.
@@ -20,7 +23,6 @@ Choices where the spec is silent (also in the README):
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import socket
 import uuid
@@ -28,11 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .backend import DurabilityBackend
-from .clock import Clock
 from .spi_types import Capabilities
-
-REPLAY_CONCURRENCY = 8
-"""Inbound replays the sweep runs at once (one chat each)."""
 
 PURGE_BATCH = 500
 """Records a purge deletes per journal and call (OPS-3)."""
@@ -62,74 +60,59 @@ def default_instance_id(bot_id: str, connection_id: str, capabilities: Capabilit
 
 
 Replay = Callable[[str, bool], Awaitable[None]]
-"""``replay(id, recover)``: claim and run one due inbound record."""
+"""``replay(id, recover)``: claim and run one due inbound record (in ``clock.busy()``)."""
 
 Failed = Callable[[str, bool, Exception], Awaitable[None]]
 """``failed(id, recover, error)``: a replay raised."""
 
 
-class ChatReplays:
-    """The due inbound records the sweep handed on, replayed by one task per chat.
+class Replays:
+    """The due inbound records the sweep handed on, replayed one at a time in the order
+    they were handed on, by one task (started when there is work, ended when there is
+    none).
 
     ``spawn`` starts a task the runtime owns (and cancels when it stops or dies);
     ``replay`` claims and runs a record; ``failed`` reports a replay that raised (the
-    chat's next record is replayed all the same). Waiting for one of the
-    ``concurrency`` slots is not busy work for the clock: the replays holding them may
-    be sleeping on it.
+    next record is replayed all the same).
     """
 
-    def __init__(self, clock: Clock, spawn: Callable[[Awaitable[Any]], object], replay: Replay, failed: Failed,
-                 concurrency: int = REPLAY_CONCURRENCY) -> None:
-        self._clock = clock
+    def __init__(self, spawn: Callable[[Awaitable[Any]], object], replay: Replay, failed: Failed) -> None:
         self._spawn = spawn
         self._replay = replay
         self._failed = failed
-        self._concurrency = concurrency
-        self._queues: dict[str, collections.deque[tuple[str, bool]]] = {}
+        self._queue: collections.deque[tuple[str, bool]] = collections.deque()
         self._ids: set[str] = set()
-        self._slots = asyncio.Semaphore(concurrency)
 
     def reset(self) -> None:
-        """Forget every queue (a new start: the old tasks are gone)."""
-        self._queues.clear()
-        self._ids.clear()
-        self._slots = asyncio.Semaphore(self._concurrency)
+        """Forget the queue (a new start: the old task is gone)."""
+        self._queue = collections.deque()
+        self._ids = set()
 
     def __contains__(self, id: object) -> bool:
         """True while ``id`` is queued or being replayed here."""
         return id in self._ids
 
-    def add(self, chat_id: str, id: str, *, recover: bool) -> None:
-        """Queue ``id`` behind its chat's earlier records (a task starts for a chat that
-        has none)."""
+    def add(self, id: str, *, recover: bool) -> None:
+        """Queue ``id`` behind the records handed on before it."""
         self._ids.add(id)
-        queue = self._queues.get(chat_id)
-        if queue is not None:
-            queue.append((id, recover))
-            return
-        queue = self._queues[chat_id] = collections.deque([(id, recover)])
-        self._spawn(self._run(chat_id, queue))
+        self._queue.append((id, recover))
+        if len(self._queue) == 1:
+            self._spawn(self._run(self._queue, self._ids))
 
-    async def _run(self, chat_id: str, queue: collections.deque[tuple[str, bool]]) -> None:
-        slots = self._slots
+    async def _run(self, queue: collections.deque[tuple[str, bool]], ids: set[str]) -> None:
+        # the queue and the set of this start: a reset() gives a new task new ones
         try:
             while queue:
                 id, recover = queue[0]
-                await slots.acquire()
                 try:
-                    with self._clock.busy():
-                        try:
-                            await self._replay(id, recover)
-                        except Exception as exc:
-                            await self._failed(id, recover, exc)
-                finally:
-                    slots.release()
+                    await self._replay(id, recover)
+                except Exception as exc:
+                    await self._failed(id, recover, exc)
                 queue.popleft()
-                self._ids.discard(id)
+                ids.discard(id)
         finally:
-            if self._queues.get(chat_id) is queue:
-                del self._queues[chat_id]
-            self._ids.difference_update(i for i, _ in queue)
+            ids.difference_update(i for i, _ in queue)
+            queue.clear()
 
 
 PurgeFailed = Callable[[str, Exception], Awaitable[None]]
