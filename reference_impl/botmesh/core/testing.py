@@ -132,7 +132,10 @@ class MockProvider(Provider):
     def _rehydrate(self, stored: dict[str, Any], ref: Any) -> Any:
         if stored.get("v") != 1:
             raise ProviderError(f"unknown media reference version {stored.get('v')!r}", retryable=False)
-        url = (stored.get("data") or {}).get("url")
+        data = stored.get("data")
+        if not isinstance(data, dict):
+            raise ProviderError(f"media reference data must be an object, got {data!r:.80}", retryable=False)
+        url = data.get("url")
         if not isinstance(url, str) or not url.startswith("https://"):
             raise ProviderError("media reference without an https url", retryable=False)
         host = url[len("https://"):].split("/", 1)[0]
