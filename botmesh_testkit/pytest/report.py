@@ -123,6 +123,9 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
         })
+        cuts = state.power_cut_states.get(name)
+        if cuts is not None:
+            entry["matrix_power_cut_states"] = cuts.to_json()
         recovery = state.recovery.get(name)
         if recovery is not None:
             entry["recovery_coverage"] = recovery.to_json()
@@ -189,6 +192,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             out.append(f"| service skip | {_cell(b['service_skip'])} |")
         for s in b["skips"]:
             out.append(f"| skipped ×{s['count']} ({', '.join(s['parts'])}) | {_cell(s['reason'])} |")
+        cuts = b.get("matrix_power_cut_states")
+        if cuts:
+            out.append(f"| matrix power-cut states | {cuts['states']} recovered in {cuts['cells']} crashed cells, "
+                       f"{cuts['failed']} broke a guarantee |")
         for line in b["kill_loops"]:
             out.append(f"| kill loop | {_cell(line)} |")
         for k, v in b["versions"].items():
