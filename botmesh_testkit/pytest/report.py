@@ -6,7 +6,8 @@ It is built on the controller after the session from what the plugin gathered fr
 test reports (so it is complete under pytest-xdist): per backend, the capabilities it
 claims, the items passed/failed/skipped per part, the requirement ids held and broken
 (the rule of the terminal summary), the skip reasons with their counts, the kill-loop
-summaries and a verdict; for the run, the seed, the matrix profile, the parts, the date
+summaries, the power-cut crash states the matrix recovered from
+(``matrix_power_cut_states``: cells, states, failed) and a verdict; for the run, the seed, the matrix profile, the parts, the date
 (UTC), the versions of what was involved and the command line (passwords of URLs
 redacted). ``PATH`` ending in ``.md`` gives a Markdown document; anything else, JSON.
 
