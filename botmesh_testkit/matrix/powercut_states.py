@@ -111,7 +111,7 @@ class PowerCutStates:
     window: int
     """Distinct crash states the model gave (the one on disk included)."""
     acknowledged: Journal | None
-    unreadable: str | None
+    """None: the live backend could not list its journals (judged by recovery alone)."""
     base: World
     scope: str
 
@@ -124,13 +124,12 @@ class PowerCutStates:
         all_states = list(io.crash_states(subsets=SUBSETS, seed=f"{seed}/{cell.id}", torn=True))
         states = choose(all_states, io.model.visible_state().fingerprint(), random.Random(f"{seed}/{cell.id}/powercut"))
         acknowledged: Journal | None = None
-        unreadable: str | None = None
         if states:
             try:
                 acknowledged = await read_journal(world.crashable.inner, scope)
-            except Exception as exc:  # a backend that cannot even list what it holds: judged by recovery only
-                unreadable = f"{exc!r}"
-        return cls(cell, states, len(all_states), acknowledged, unreadable, world.fork(world.harness), scope)
+            except Exception:  # a backend that cannot even list what it holds: judged by recovery only
+                acknowledged = None
+        return cls(cell, states, len(all_states), acknowledged, world.fork(world.harness), scope)
 
     async def judge(self, w: Workload, truth: Oracle, outcome: Outcome, recover: Recover) -> None:
         """Recover from each state (module docstring) with ``recover`` and add what broke
@@ -150,6 +149,7 @@ class PowerCutStates:
                    recover: Recover, crash_point: str | None) -> list[Violation]:
         materialize(state, directory)
         harness = resolve(self.cell.backend)(directory)
+        recording_io(harness, directory)  # no disk flushes for the state's recovery either
         try:
             backend, _ = await harness.open()
         except Exception as exc:
