@@ -6,7 +6,8 @@ It is built on the controller after the session from what the plugin gathered fr
 test reports (so it is complete under pytest-xdist): per backend, the capabilities it
 claims, the items passed/failed/skipped per part, the requirement ids held and broken
 (the rule of the terminal summary), the skip reasons with their counts, the kill-loop
-summaries and a verdict; for the run, the seed, the matrix profile, the parts, the date
+summaries, the power-cut crash states the matrix recovered from
+(``matrix_power_cut_states``: cells, states, failed) and a verdict; for the run, the seed, the matrix profile, the parts, the date
 (UTC), the versions of what was involved and the command line (passwords of URLs
 redacted). ``PATH`` ending in ``.md`` gives a Markdown document; anything else, JSON.
 
@@ -129,6 +130,9 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "kill_loops": kill_lines.get(name, []),
             "failed_items": [f for f in state.failures if f["backend"] == name],
         })
+        cuts = state.power_cut_states.get(name)
+        if cuts is not None:
+            entry["matrix_power_cut_states"] = cuts.to_json()
         recovery = state.recovery.get(name)
         if recovery is not None:
             entry["recovery_coverage"] = recovery.to_json()
@@ -197,6 +201,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             out.append(f"| service skip | {_cell(b['service_skip'])} |")
         for s in b["skips"]:
             out.append(f"| skipped ×{s['count']} ({', '.join(s['parts'])}) | {_cell(s['reason'])} |")
+        cuts = b.get("matrix_power_cut_states")
+        if cuts:
+            out.append(f"| matrix power-cut states | {cuts['states']} recovered in {cuts['cells']} crashed cells, "
+                       f"{cuts['failed']} broke a guarantee |")
         for line in b["kill_loops"]:
             out.append(f"| kill loop | {_cell(line)} |")
         for k, v in b["versions"].items():
