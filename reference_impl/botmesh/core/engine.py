@@ -29,7 +29,6 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Generic
 
 from . import content as contentlib
@@ -40,60 +39,12 @@ from .host import BotHost, CtxT, HandlerContext
 from .keylocks import KeyLocks
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
+from .outcomes import METRIC_KEYS, SendResult, _Dead, _Failed, _Sent, derive_scope
 from .sweep import Purger, Replays, default_instance_id
 
 log = logging.getLogger("botmesh.durability")
 
-METRIC_KEYS = (
-    "inbound_journaled",
-    "inbound_duplicates",
-    "inbound_replayed",
-    "inbound_dead",
-    "outbox_journaled",
-    "outbox_deduped",
-    "outbox_retried",
-    "outbox_deferred",
-    "outbox_dead",
-    "outbox_ambiguous",
-    "outbox_bypassed",
-    "stale_leases",
-    "outbox_diverged",
-)
-
-
-@dataclass
-class SendResult:
-    """What ``ctx.reply``/``bot.send`` return. ``message_id`` is the provider's id of the
-    first part (None when the send was skipped as ``unknown`` or is still pending);
-    ``deduped`` is True when answered from the outbox (OUT-2)."""
-
-    message_id: str | None
-    key: str | None = None
-    message_ids: list[str] = field(default_factory=list)
-    deduped: bool = False
-    state: str = "sent"
-
-
-@dataclass
-class _Sent:
-    message_id: str
-
-
-@dataclass
-class _Failed:
-    error: BaseException
-    delay: float
-
-
-@dataclass
-class _Dead:
-    error: BaseException | str
-
-
-def derive_scope(tenant_id: str | None, environment_id: str | None, bot_id: str, connection_id: str) -> str:
-    """The scope id of SCOPE-1: ``tenant/environment/bot/connection`` ("-" when unset)."""
-    return "/".join(p if p else "-" for p in (tenant_id, environment_id, bot_id, connection_id))
-
+__all__ = ["METRIC_KEYS", "DurabilityRuntime", "SendResult", "derive_scope"]
 
 class _Journal:
     """``bot.durability.inbox`` / ``.outbox``: the operator's view of one journal."""
