@@ -330,20 +330,24 @@ def _unsupported(path: str, version: object, what: str) -> NoReturn:
 # ---------------------------------------------------------------------------------------
 
 _FRAME_HEAD = re.compile(rb"(0|[1-9][0-9]{0,11}) ([0-9a-f]{8}) ")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(rb"[\[\]{}]")
-_OPENERS = frozenset(b"[{")
+# A JSON string (skipped) or a bracket: what the nesting depth is counted over.
+_DEPTH_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_QUOTE, _OPENERS = ord('"'), frozenset(b"[{")
 
 
 def _too_deep(text: str | bytes, limit: int) -> bool:
     """Whether the JSON ``text`` nests deeper than ``limit``. Counting the openers is enough
-    almost always (C speed); only text with more openers than ``limit`` is scanned."""
+    almost always (C speed); only text with more openers than ``limit`` is scanned, and
+    the scan stops as soon as the limit is passed."""
     data = text.encode("ascii", "replace") if isinstance(text, str) else text
     if data.count(b"[") + data.count(b"{") <= limit:
         return False
     depth = 0
-    for match in _BRACKETS.finditer(_JSON_STRING.sub(b'""', data)):
-        if match.group()[0] in _OPENERS:
+    for match in _DEPTH_TOKENS.finditer(data):
+        first = data[match.start()]
+        if first == _QUOTE:
+            continue
+        if first in _OPENERS:
             depth += 1
             if depth > limit:
                 return True
