@@ -213,10 +213,11 @@ def _counter(value: object, low: int) -> TypeGuard[int]:
 # ---------------------------------------------------------------------------------------
 
 
-def _dumps(obj: Any) -> str:
-    # allow_nan=False: scores are encoded by _score_out (±inf as strings), and values were
-    # checked by check_json_object, which forbids NaN/inf inside them.
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+# One encoder for every line (json.dumps with arguments builds a new one per call).
+# allow_nan=False: scores are encoded by _score_out (±inf as strings), and values were
+# checked by check_json_object, which forbids NaN/inf inside them.
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_INF = math.inf
 
 
 def frame(payload: bytes) -> bytes:
@@ -225,7 +226,7 @@ def frame(payload: bytes) -> bytes:
 
 
 def _score_out(score: float | None) -> float | str | None:
-    if score is None or math.isfinite(score):
+    if score is None or -_INF < score < _INF:
         return score
     return "inf" if score > 0 else "-inf"
 
@@ -245,17 +246,25 @@ _HEADER_START = '{"format":"' + SNAPSHOT_FORMAT + '","version":' + str(FORMAT_VE
 def snapshot_bytes(records: Records, log_seq: int) -> bytes:
     """The snapshot file for ``records`` (version 2): header, one record per line sorted,
     trailer with the count and the checksum, so the file is deterministic and readable."""
-    lines: list[bytes] = []
+    parts: list[bytes] = [b""]  # the header goes first, once the count is known
+    crc32 = zlib.crc32
     for scope, space in sorted(records):
         space_map = records[(scope, space)]
         for key in sorted(space_map):
             value, version, due, expires = space_map[key]
-            row = _dumps([scope, space, key, version, _score_out(due), _score_out(expires)])
+            if due is not None and not -_INF < due < _INF:
+                due = _score_out(due)  # type: ignore[assignment]
+            if expires is not None and not -_INF < expires < _INF:
+                expires = _score_out(expires)  # type: ignore[assignment]
             # The value as check_json_object produced it: already known to be storable.
-            lines.append(frame((row[:-1] + "," + _dumps(value) + "]").encode("ascii")))
-    head = f'{_HEADER_START},"log_seq":{log_seq},"records":{len(lines)}}}'
-    body = frame(head.encode("ascii")) + b"".join(lines)
-    trailer = f'{{"end":{len(lines)},"crc32":"{zlib.crc32(body):08x}"}}'.encode("ascii")
+            payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
+            parts.append(b"%d %08x " % (len(payload), crc32(payload)))
+            parts.append(payload)
+            parts.append(b"\n")
+    count = (len(parts) - 1) // 3
+    parts[0] = frame(f'{_HEADER_START},"log_seq":{log_seq},"records":{count}}}'.encode("ascii"))
+    body = b"".join(parts)
+    trailer = f'{{"end":{count},"crc32":"{crc32(body):08x}"}}'.encode("ascii")
     return body + frame(trailer)
 
 
@@ -373,6 +382,17 @@ def _finite_float(text: str) -> float:
     return number
 
 
+# The scanners of two decoders, built once (json.loads with arguments builds a decoder per
+# call): NaN/Infinity refused (version 2) or Infinity allowed (version 1, for scores);
+# every float checked for an overflow to inf (1e400).
+_SCAN = {
+    infinity: json.JSONDecoder(
+        parse_constant=_allow_infinity if infinity else _refuse_constant, parse_float=_finite_float
+    ).scan_once
+    for infinity in (False, True)
+}
+
+
 def _decode(payload: bytes, depth: int, *, infinity: bool = False) -> tuple[Any, str | None]:
     """The JSON value of ``payload``, or ``(None, reason)``. Bounded: ASCII only, nesting at
     most ``depth``, numbers finite (``Infinity`` only when ``infinity``), integers at most
@@ -381,17 +401,16 @@ def _decode(payload: bytes, depth: int, *, infinity: bool = False) -> tuple[Any,
         return None, "bytes that are not ASCII"
     if _too_deep(payload, depth):
         return None, f"JSON nested deeper than {depth} levels"
+    text = payload.decode("ascii")
     try:
-        return (
-            json.loads(
-                payload,
-                parse_constant=_allow_infinity if infinity else _refuse_constant,
-                parse_float=_finite_float,
-            ),
-            None,
-        )
+        value, end = _SCAN[infinity](text, 0)
+    except StopIteration:
+        return None, "not valid JSON (no value)"
     except (ValueError, RecursionError) as exc:  # ValueError includes JSONDecodeError
         return None, f"not valid JSON ({str(exc)[:120]})"
+    if end != len(text) and text[end:].strip(" \t\r\n"):
+        return None, "not valid JSON (data after the value)"
+    return value, None
 
 
 def _read_frame(data: bytes, pos: int) -> tuple[bytes | None, int, str | None]:
@@ -504,18 +523,21 @@ def parse_snapshot(data: bytes, path: str) -> Snapshot:
         _corrupt_snapshot(path, 1, 0, "bad log_seq or record count in the header")
     records: Records = {}
     line = 1
+    depth = MAX_VALUE_DEPTH + 1
     for _ in range(count):
         line += 1
         start = pos
         payload, pos, reason = _read_frame(data, pos)
         if payload is None:
             _corrupt_snapshot(path, line, start, reason or "the file ends before its last record")
-        row, reason = _decode(payload, MAX_VALUE_DEPTH + 1)
+        row, reason = _decode(payload, depth)
         parsed = _row_to_entry(row, v1=False) if reason is None else reason
         if isinstance(parsed, str):
             _corrupt_snapshot(path, line, start, parsed)
         (scope, space, key), entry = parsed
-        space_map = records.setdefault((scope, space), {})
+        space_map = records.get((scope, space))
+        if space_map is None:
+            space_map = records[(scope, space)] = {}
         if key in space_map:
             _corrupt_snapshot(path, line, start, f"record {space}/{key} appears twice")
         space_map[key] = entry
@@ -533,7 +555,7 @@ def parse_snapshot(data: bytes, path: str) -> Snapshot:
         _corrupt_snapshot(path, line, start, reason)
     if not _counter(trailer["end"], 0) or trailer["end"] != count:
         _corrupt_snapshot(path, line, start, f"the trailer says {str(trailer['end'])[:40]} records, the header {count}")
-    if trailer["crc32"] != f"{zlib.crc32(data[:start]):08x}":
+    if trailer["crc32"] != f"{zlib.crc32(memoryview(data)[:start]):08x}":
         _corrupt_snapshot(path, line, start, "the file's checksum does not match (lines were changed, moved or replaced)")
     if pos != len(data):
         _corrupt_snapshot(path, line + 1, pos, "data after the trailer")
