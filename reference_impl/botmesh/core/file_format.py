@@ -382,13 +382,13 @@ def _finite_float(text: str) -> float:
     return number
 
 
-# The scanners of two decoders, built once (json.loads with arguments builds a decoder per
+# Two decoders, built once (json.loads with arguments builds a decoder per
 # call): NaN/Infinity refused (version 2) or Infinity allowed (version 1, for scores);
 # every float checked for an overflow to inf (1e400).
 _SCAN = {
     infinity: json.JSONDecoder(
         parse_constant=_allow_infinity if infinity else _refuse_constant, parse_float=_finite_float
-    ).scan_once
+    ).raw_decode
     for infinity in (False, True)
 }
 
@@ -404,8 +404,6 @@ def _decode(payload: bytes, depth: int, *, infinity: bool = False) -> tuple[Any,
     text = payload.decode("ascii")
     try:
         value, end = _SCAN[infinity](text, 0)
-    except StopIteration:
-        return None, "not valid JSON (no value)"
     except (ValueError, RecursionError) as exc:  # ValueError includes JSONDecodeError
         return None, f"not valid JSON ({str(exc)[:120]})"
     if end != len(text) and text[end:].strip(" \t\r\n"):
