@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import zlib
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -80,41 +81,113 @@ async def dump(kv: DurableKv, spaces: tuple[tuple[str, str], ...] = ((S, "inbox"
     return result
 
 
+# An independent codec of the documented format (botmesh.core.file_format, version 2):
+# tests write and read journal files with it, not with the code under test.
+
+
+def frame(payload: bytes) -> bytes:
+    """One framed line: ``<length> <crc32 hex> <payload>\\n``."""
+    return b"%d %08x " % (len(payload), zlib.crc32(payload)) + payload + b"\n"
+
+
+def unframe(data: bytes) -> list[bytes]:
+    """The payloads of a file of framed lines, each checked (length and checksum)."""
+    payloads = []
+    for line in data.split(b"\n")[:-1]:
+        length, crc, payload = line.split(b" ", 2)
+        assert int(length) == len(payload) and int(crc, 16) == zlib.crc32(payload), line
+        payloads.append(payload)
+    assert data.endswith(b"\n") or data == b""
+    return payloads
+
+
+def _js(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+LOG_HEADER = frame(b'{"format":"botmesh.file_kv.log","version":2}')
+
+
 def read_snapshot(path: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(path.read_bytes())
+    """The header fields of a snapshot plus its ``records`` (rows as lists), the record
+    count and the trailer checked."""
+    data = path.read_bytes()
+    payloads = unframe(data)
+    doc: dict[str, Any] = json.loads(payloads[0])
+    assert doc["format"] == "botmesh.file_kv" and doc["version"] == 2
+    rows = [json.loads(p) for p in payloads[1:-1]]
+    trailer = json.loads(payloads[-1])
+    assert doc["records"] == trailer["end"] == len(rows)
+    assert trailer["crc32"] == f"{zlib.crc32(data[: len(data) - len(frame(payloads[-1]))]):08x}"
+    doc["records"] = rows
     return doc
 
 
 def log_lines(path: Path) -> list[dict[str, Any]]:
+    """The entries of ``<path>.log`` (its header checked and left out)."""
     log = Path(str(path) + ".log")
-    return [json.loads(line) for line in log.read_bytes().splitlines()]
+    data = log.read_bytes()
+    assert data.startswith(LOG_HEADER), data[:80]
+    return [json.loads(p) for p in unframe(data)[1:]]
+
+
+def _score(score: float | None) -> float | str | None:
+    return score if score is None or math.isfinite(score) else ("inf" if score > 0 else "-inf")
 
 
 def snapshot_text(log_seq: int, rows: list[list[Any]]) -> bytes:
-    """A snapshot file in the documented format, written by hand."""
-    return json.dumps({"format": "botmesh.file_kv", "version": 1, "log_seq": log_seq, "records": rows}).encode()
+    """A snapshot file in the documented format (version 2), written by hand."""
+    body = frame(_js({"format": "botmesh.file_kv", "version": 2, "log_seq": log_seq, "records": len(rows)}))
+    for scope, space, key, version, due, expires, value in rows:
+        body += frame(_js([scope, space, key, version, _score(due), _score(expires), value]))
+    return body + frame(_js({"end": len(rows), "crc32": f"{zlib.crc32(body):08x}"}))
 
 
-def put_line(
+def put_entry(
     seq: int, key: str, version: int, value: dict[str, Any], due: float | None = None, space: str = "inbox"
-) -> bytes:
-    """An append-log put entry written by hand."""
-    entry = {
+) -> dict[str, Any]:
+    return {
         "seq": seq,
         "op": "put",
         "scope": S,
         "space": space,
         "key": key,
         "version": version,
-        "due": due,
+        "due": _score(due),
         "expires": None,
         "value": value,
     }
-    return (json.dumps(entry) + "\n").encode()
+
+
+def put_line(
+    seq: int, key: str, version: int, value: dict[str, Any], due: float | None = None, space: str = "inbox"
+) -> bytes:
+    """An append-log put entry written by hand (version 2: framed)."""
+    return frame(_js(put_entry(seq, key, version, value, due, space)))
 
 
 def del_line(seq: int, key: str, version: int, space: str = "inbox") -> bytes:
-    """An append-log delete entry written by hand."""
+    """An append-log delete entry written by hand (version 2: framed)."""
+    return frame(_js({"seq": seq, "op": "del", "scope": S, "space": space, "key": key, "version": version}))
+
+
+# Version 1 (the format of earlier releases: one JSON snapshot document, bare JSON log
+# lines), written by hand for the migration tests.
+
+
+def snapshot_text_v1(log_seq: int, rows: list[list[Any]]) -> bytes:
+    return json.dumps({"format": "botmesh.file_kv", "version": 1, "log_seq": log_seq, "records": rows}).encode()
+
+
+def put_line_v1(
+    seq: int, key: str, version: int, value: dict[str, Any], due: float | None = None, space: str = "inbox"
+) -> bytes:
+    entry = put_entry(seq, key, version, value, None, space)
+    entry["due"] = due
+    return (json.dumps(entry) + "\n").encode()
+
+
+def del_line_v1(seq: int, key: str, version: int, space: str = "inbox") -> bytes:
     entry = {"seq": seq, "op": "del", "scope": S, "space": space, "key": key, "version": version}
     return (json.dumps(entry) + "\n").encode()
 
@@ -270,7 +343,8 @@ def test_leftover_log_is_replayed_without_the_option(tmp_path: Path) -> None:
 @pytest.mark.spec("BACK-4")
 def test_compaction_every_n_entries(tmp_path: Path) -> None:
     """BACK-4: with compact_every=5 the snapshot is rewritten (with log_seq) and the log
-    emptied at every 5th entry; sequence numbers keep growing across compactions."""
+    emptied back to its header at every 5th entry; sequence numbers keep growing across
+    compactions."""
     path = tmp_path / "j.json"
     log = Path(str(path) + ".log")
 
@@ -281,7 +355,7 @@ def test_compaction_every_n_entries(tmp_path: Path) -> None:
             await kv.put(S, "inbox", f"k{i}", {"i": i}, expected_version=0)
         assert len(log_lines(path)) == 4 and not path.exists()
         await kv.put(S, "inbox", "k4", {"i": 4}, expected_version=0)
-        assert log.read_bytes() == b""
+        assert log.read_bytes() == LOG_HEADER
         assert read_snapshot(path)["log_seq"] == 5
         assert len(read_snapshot(path)["records"]) == 5
         for i in range(5, 7):
@@ -309,9 +383,10 @@ def test_compaction_when_the_log_reaches_compact_bytes(tmp_path: Path) -> None:
         for i in range(10):
             await kv.put(S, "inbox", f"k{i}", {"pad": "x" * 300}, expected_version=0)
             sizes.append(log.stat().st_size)
-        # Each line is ~400 bytes: the third crosses 1000 and triggers a compaction.
-        assert sizes[0] > 0 and sizes[1] > sizes[0]
-        assert sizes[2] == 0
+        # Each line is ~400 bytes: the third crosses 1000 and triggers a compaction,
+        # which leaves the log's header only.
+        assert sizes[0] > len(LOG_HEADER) and sizes[1] > sizes[0]
+        assert sizes[2] == len(LOG_HEADER)
         assert max(sizes) < 1000
         assert read_snapshot(path)["log_seq"] == 9
         assert len(read_snapshot(path)["records"]) == 9
@@ -355,7 +430,8 @@ def test_crash_between_snapshot_rewrite_and_log_truncation(tmp_path: Path, appen
         )
     )
     log.write_bytes(
-        put_line(1, "k1", 1, {"v": "k1.1"})
+        LOG_HEADER
+        + put_line(1, "k1", 1, {"v": "k1.1"})
         + put_line(2, "k2", 1, {"v": "k2.1"}, due=10.0)
         + put_line(3, "k2", 2, {"v": "k2.2"}, due=20.0)
         + put_line(4, "k3", 1, {"v": "k3.1"}, due=5.0)
@@ -385,15 +461,15 @@ def test_crash_between_snapshot_rewrite_and_log_truncation(tmp_path: Path, appen
 def test_a_log_already_folded_is_emptied_at_open(tmp_path: Path) -> None:
     """BACK-4: when every log entry is already in the snapshot (the crash came after the
     snapshot rewrite, before the truncation), open() with the append log finishes the
-    compaction: the log is emptied and new entries follow log_seq."""
+    compaction: the log is emptied back to its header and new entries follow log_seq."""
     path = tmp_path / "j.json"
     log = Path(str(path) + ".log")
     path.write_bytes(snapshot_text(2, [[S, "inbox", "k1", 2, None, None, {"v": 2}]]))
-    log.write_bytes(put_line(1, "k1", 1, {"v": 1}) + put_line(2, "k1", 2, {"v": 2}))
+    log.write_bytes(LOG_HEADER + put_line(1, "k1", 1, {"v": 1}) + put_line(2, "k1", 2, {"v": 2}))
 
     async def main() -> None:
         kv = await opened(path, append_log=True)
-        assert log.read_bytes() == b""
+        assert log.read_bytes() == LOG_HEADER
         assert await kv.get(S, "inbox", "k1") == Versioned({"v": 2}, 2)
         await kv.put(S, "inbox", "k1", {"v": 3}, expected_version=2)
         assert [line["seq"] for line in log_lines(path)] == [3]
@@ -414,29 +490,104 @@ def _truncate_half(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
 
+def _flip(data: bytes, at: int, bit: int = 0) -> bytes:
+    return data[:at] + bytes([data[at] ^ (1 << bit)]) + data[at + 1 :]
+
+
+def _snapshot_rows(data: bytes) -> tuple[int, list[list[Any]]]:
+    """log_seq and rows of a version-2 snapshot, read with the test codec."""
+    payloads = unframe(data)
+    rows = [json.loads(p) for p in payloads[1:-1]]
+    for row in rows:  # back to the scores snapshot_text takes
+        row[4:6] = [math.inf if x == "inf" else -math.inf if x == "-inf" else x for x in row[4:6]]
+    return json.loads(payloads[0])["log_seq"], rows
+
+
+def _reframed_header(data: bytes, **changes: Any) -> bytes:
+    """The snapshot with its header edited, every checksum recomputed: only the reader's
+    checks of the content can catch it."""
+    payloads = unframe(data)
+    header = json.loads(payloads[0])
+    header.update(changes)
+    body = frame(_js(header)) + b"".join(frame(p) for p in payloads[1:-1])
+    trailer = json.loads(payloads[-1])
+    trailer["crc32"] = f"{zlib.crc32(body):08x}"
+    return body + frame(_js(trailer))
+
+
+def _with_rows(data: bytes, edit: Callable[[list[list[Any]]], list[list[Any]]]) -> bytes:
+    log_seq, rows = _snapshot_rows(data)
+    return snapshot_text(log_seq, edit(rows))
+
+
+def _delete_line(data: bytes, index: int) -> bytes:
+    lines = data.splitlines(keepends=True)
+    del lines[index]
+    return b"".join(lines)
+
+
+# name -> how to damage the snapshot of build_journal (header, row "base", trailer). Each
+# must be refused as SNAPSHOT_CORRUPT; the ones marked "reframed" keep every length and
+# checksum right, so only the checks of the content catch them.
 SNAPSHOT_DAMAGE: dict[str, Callable[[bytes], bytes]] = {
     "truncated": _truncate_half,
+    "truncated-before-trailer": lambda data: b"".join(data.splitlines(keepends=True)[:2]),
     "empty": lambda data: b"",
     "garbage": lambda data: b"\x00\x01not json",
     "not-an-object": lambda data: b"[]",
+    "bit-flip-in-record": lambda data: _flip(data, data.index(b'"base"') + 2),
+    "bit-flip-in-log_seq": lambda data: _flip(data, data.index(b'"log_seq":0') + 10),
+    "record-line-deleted": lambda data: _delete_line(data, 1),
+    "data-after-trailer": lambda data: data + frame(b"{}"),
     "other-format": lambda data: data.replace(b"botmesh.file_kv", b"something.else"),
-    "malformed-record": lambda data: data.replace(b'"base",1,', b'"base","one",'),
-    "duplicate-record": lambda data: data.replace(
-        b'{"n":0}]', b'{"n":0}],\n["scope-a","inbox","base",1,null,null,{"n":0}]'
+    "other-format-reframed": lambda data: _reframed_header(data, format="something.else"),
+    "count-edited-reframed": lambda data: _reframed_header(data, records=2),
+    "extra-header-field-reframed": lambda data: _reframed_header(data, extra=1),
+    "malformed-record-reframed": lambda data: _with_rows(data, lambda rows: [[*r[:3], "one", *r[4:]] for r in rows]),
+    "duplicate-record-reframed": lambda data: _with_rows(data, lambda rows: rows + rows),
+    "nan-due-reframed": lambda data: _reframed_record(data, b'["scope-a","inbox","base",1,NaN,null,{"n":0}]'),
+    "huge-number-due-reframed": lambda data: _reframed_record(
+        data, b'["scope-a","inbox","base",1,1' + b"0" * 400 + b',null,{"n":0}]'
     ),
+    "deep-nesting-reframed": lambda data: _reframed_record(data, b"[" * 100_000),
+    "infinity-in-value-reframed": lambda data: _reframed_record(data, b'["scope-a","inbox","base",1,null,null,{"n":1e400}]'),
+    "not-ascii-reframed": lambda data: _reframed_record(data, b'["scope-a","inbox","b\xed\xa0\x80se",1,null,null,{}]'),
 }
+
+
+def _reframed_record(data: bytes, payload: bytes) -> bytes:
+    """The snapshot with its (only) record line replaced by ``payload``, framed, and the
+    file checksum recomputed."""
+    payloads = unframe(data)
+    body = frame(payloads[0]) + frame(payload)
+    return body + frame(_js({"end": 1, "crc32": f"{zlib.crc32(body):08x}"}))
+
+
+def assert_points_at_a_line(error: JournalCorruptError, data: bytes) -> None:
+    """``line`` and ``byte`` of ``error`` name the same line of ``data``: byte is where the
+    line starts (0 or just after a newline) and line counts the newlines before it."""
+    line, byte = error.line, error.byte  # type: ignore[attr-defined]
+    assert isinstance(line, int) and isinstance(byte, int) and line >= 1
+    assert 0 <= byte <= len(data) and (byte == 0 or data[byte - 1 : byte] == b"\n"), (line, byte)
+    assert data[:byte].count(b"\n") == line - 1, (line, byte)
+    if error.code != "JOURNAL_VERSION_UNSUPPORTED":  # that one names the version instead
+        assert f"line {line}" in str(error) and f"byte {byte}" in str(error)
 
 
 @pytest.mark.spec("BACK-5")
 @pytest.mark.parametrize("damage", list(SNAPSHOT_DAMAGE), ids=list(SNAPSHOT_DAMAGE))
 def test_damaged_snapshot_is_rejected_untouched(tmp_path: Path, damage: str) -> None:
-    """BACK-5: a snapshot that cannot be read back raises JournalCorruptError with code
-    SNAPSHOT_CORRUPT naming the file; no file is changed (the leftover log neither), the
-    lock is released, and a repaired journal opens."""
+    """BACK-5: a snapshot that cannot be read back — cut, bit-flipped, a line deleted, or,
+    with every checksum right, a wrong count, shape, NaN, a 400-digit or infinite number,
+    100,000 ``[``, bytes that are not ASCII — raises JournalCorruptError with code
+    SNAPSHOT_CORRUPT naming the file, the line and the byte; no file is changed (the
+    leftover log neither), the lock is released, and a repaired journal opens."""
     path = tmp_path / "j.json"
     run(build_journal(path))
     good = path.read_bytes()
-    path.write_bytes(SNAPSHOT_DAMAGE[damage](good))
+    bad = SNAPSHOT_DAMAGE[damage](good)
+    assert bad != good
+    path.write_bytes(bad)
     before = files_of(tmp_path)
     del before["j.json.lock"]  # the dead owner's lock: the failed open took it over
 
@@ -446,6 +597,7 @@ def test_damaged_snapshot_is_rejected_untouched(tmp_path: Path, damage: str) -> 
         assert caught.value.code == "SNAPSHOT_CORRUPT"
         assert caught.value.file == str(path.resolve())  # type: ignore[attr-defined]
         assert str(path.resolve()) in str(caught.value)
+        assert_points_at_a_line(caught.value, bad)
         assert files_of(tmp_path) == before
         path.write_bytes(good)
         kv = await opened(path)  # the lock was not left behind
@@ -456,11 +608,11 @@ def test_damaged_snapshot_is_rejected_untouched(tmp_path: Path, damage: str) -> 
 
 
 TORN_TAILS: dict[str, bytes] = {
-    "no-newline": b'{"seq":4,"op":"put","scope":"scope-a","spa',
-    "unparseable-with-newline": b'{"seq":4,"op":"pu\n',
+    "prefix-of-an-entry": put_line(4, "k4", 1, {"n": 4})[:30],
+    "prefix-of-the-length": b"15",
+    "unframed-prefix": b'{"seq":4,"op":"put","scope":"scope-a","spa',
     "zeros": b"\x00" * 37,
     "complete-entry-without-newline": put_line(4, "k4", 1, {"n": 4}).rstrip(b"\n"),
-    "unreadable-lines-only": b"garbage\n\x00\x00\n{",
 }
 
 
@@ -468,9 +620,10 @@ TORN_TAILS: dict[str, bytes] = {
 @pytest.mark.parametrize("append_log", [True, False], ids=["append-log", "snapshot"])
 @pytest.mark.parametrize("tail", list(TORN_TAILS), ids=list(TORN_TAILS))
 def test_half_written_last_line_is_trimmed(tmp_path: Path, tail: str, append_log: bool) -> None:
-    """BACK-5: a half-written last log line (no newline, or unreadable with nothing
-    readable after it) is cut off — the log truncated to the end of the last good line —
-    and the rest replayed. Without append_log the log is then folded and removed."""
+    """BACK-5: an incomplete final log line — bytes after the last newline that never got
+    their terminator: a prefix of an entry, the zeros a power cut leaves — is a torn write:
+    it is cut off (the log truncated to the end of the last complete line) and the rest
+    replayed. Without append_log the log is then folded and removed."""
     path = tmp_path / "j.json"
     log = Path(str(path) + ".log")
     run(build_journal(path))
@@ -505,27 +658,71 @@ def _replace_line(log: bytes, index: int, new: bytes | None) -> bytes:
 
 
 def _edit_entry(log: bytes, index: int, **changes: Any) -> bytes:
+    """The log with entry line ``index`` edited and framed again (right checksum)."""
     lines = log.splitlines(keepends=True)
-    entry = json.loads(lines[index])
+    entry = json.loads(unframe(lines[index])[0])
     entry.update(changes)
-    lines[index] = (json.dumps(entry) + "\n").encode()
+    lines[index] = frame(_js(entry))
     return b"".join(lines)
 
 
-# name -> (how to damage the 3-line log, expected line, index of the line whose start is the byte)
+def _edit_payload(log: bytes, index: int, old: bytes, new: bytes) -> bytes:
+    """The log with ``old`` replaced by ``new`` in the payload of line ``index``, framed
+    again (right checksum)."""
+    lines = log.splitlines(keepends=True)
+    payload = unframe(lines[index])[0]
+    assert old in payload
+    lines[index] = frame(payload.replace(old, new))
+    return b"".join(lines)
+
+
+def _swap_lines(log: bytes, a: int, b: int) -> bytes:
+    lines = log.splitlines(keepends=True)
+    lines[a], lines[b] = lines[b], lines[a]
+    return b"".join(lines)
+
+
+def _line_start(log: bytes, index: int) -> int:
+    return sum(len(part) for part in log.splitlines(keepends=True)[:index])
+
+
+# name -> (how to damage the log of build_journal — line 1 the header, lines 2..4 the
+# entries seq 1..3 —, the line expected in the error). Every one is APPEND_LOG_CORRUPT:
+# damage to a complete line, the last one included, is never taken for a torn write.
 LOG_DAMAGE: dict[str, tuple[Callable[[bytes], bytes], int]] = {
-    "garbage-middle-line": (lambda log: _replace_line(log, 1, b"{garbage\n"), 2),
-    "zeros-middle-line": (lambda log: _replace_line(log, 1, b"\x00\x00\x00\n"), 2),
-    "torn-first-line-then-entries": (lambda log: _replace_line(log, 0, b'{"seq":1,"op\n'), 1),
-    "not-an-entry-last-line": (lambda log: _edit_entry(log, 2, op="zap"), 3),
-    "not-an-entry-middle": (lambda log: _replace_line(log, 1, b"[1, 2]\n"), 2),
-    "version-gap": (lambda log: _edit_entry(log, 2, version=5), 3),
-    "delete-of-absent-key": (lambda log: _replace_line(log, 2, del_line(3, "nope", 1)), 3),
-    "sequence-gap": (lambda log: _replace_line(log, 1, None), 2),
-    "sequence-starts-after-snapshot": (
-        lambda log: _edit_entry(_edit_entry(_edit_entry(log, 0, seq=7), 1, seq=8), 2, seq=9),
+    "garbage-middle-line": (lambda log: _replace_line(log, 2, b"{garbage\n"), 3),
+    "zeros-middle-line": (lambda log: _replace_line(log, 2, b"\x00\x00\x00\n"), 3),
+    "torn-first-line-then-entries": (lambda log: _replace_line(log, 1, b'{"seq":1,"op\n'), 2),
+    "unframed-entry": (lambda log: _replace_line(log, 2, unframe(log.splitlines(keepends=True)[2])[0] + b"\n"), 3),
+    "bit-flip-in-last-line": (lambda log: _flip(log, _line_start(log, 3) + 40, 3), 4),
+    "bit-flip-in-length": (lambda log: _flip(log, _line_start(log, 2), 0), 3),
+    "bit-flip-in-checksum": (lambda log: _flip(log, _line_start(log, 3) + 4, 1), 4),
+    "last-newline-replaced": (lambda log: log[:-1] + b" ", 4),
+    "bit-flip-in-header": (lambda log: _flip(log, 20, 2), 1),
+    "header-version-a-string": (
+        lambda log: _replace_line(log, 0, frame(b'{"format":"botmesh.file_kv.log","version":"2"}')),
         1,
     ),
+    "not-an-entry-last-line": (lambda log: _edit_entry(log, 3, op="zap"), 4),
+    "extra-field": (lambda log: _edit_entry(log, 3, extra=True), 4),
+    "not-an-entry-middle": (lambda log: _replace_line(log, 2, frame(b"[1,2]")), 3),
+    "nan-due": (lambda log: _edit_payload(log, 3, b'"due":3.0', b'"due":NaN'), 4),
+    "400-digit-due": (lambda log: _edit_payload(log, 3, b'"due":3.0', b'"due":3' + b"0" * 400), 4),
+    "infinite-due": (lambda log: _edit_payload(log, 3, b'"due":3.0', b'"due":1e400'), 4),
+    "deep-nesting": (lambda log: _replace_line(log, 2, frame(b"[" * 100_000)), 3),
+    "not-ascii": (lambda log: _edit_payload(log, 2, b'"k2"', b'"k\xc3\xa9"'), 3),
+    "version-gap": (lambda log: _edit_entry(log, 3, version=5), 4),
+    "delete-of-absent-key": (lambda log: _replace_line(log, 3, del_line(3, "nope", 1)), 4),
+    "sequence-gap": (lambda log: _replace_line(log, 2, None), 3),
+    "duplicate-last-line": (lambda log: log + log.splitlines(keepends=True)[3], 5),
+    "swapped-lines": (lambda log: _swap_lines(log, 2, 3), 3),
+    "sequence-starts-after-snapshot": (
+        lambda log: _edit_entry(_edit_entry(_edit_entry(log, 1, seq=7), 2, seq=8), 3, seq=9),
+        2,
+    ),
+    "unparseable-complete-last-line": (lambda log: log + b'{"seq":4,"op":"pu\n', 5),
+    "unreadable-lines-then-a-torn-one": (lambda log: log + b"garbage\n\x00\x00\n{", 5),
+    "complete-frame-then-garbage-without-newline": (lambda log: log + put_line(4, "k4", 1, {}).rstrip(b"\n") + b"xx", 5),
 }
 
 
@@ -533,10 +730,11 @@ LOG_DAMAGE: dict[str, tuple[Callable[[bytes], bytes], int]] = {
 @pytest.mark.parametrize("append_log", [True, False], ids=["append-log", "snapshot"])
 @pytest.mark.parametrize("damage", list(LOG_DAMAGE), ids=list(LOG_DAMAGE))
 def test_damaged_log_entry_is_append_log_corrupt(tmp_path: Path, damage: str, append_log: bool) -> None:
-    """BACK-5: a bad line in the middle followed by more entries, or an entry that is
-    not valid or does not apply, makes open() raise code APPEND_LOG_CORRUPT with file,
-    line (1-based) and byte (start of that line); both files stay byte-for-byte as they
-    were and nothing is applied (the journal can be opened once repaired)."""
+    """BACK-5: a complete log line (one ending in its newline) with a wrong length or
+    checksum, that is not a valid entry or does not apply (a version or sequence gap) —
+    in the middle or last — makes open() raise code APPEND_LOG_CORRUPT with file, line
+    (1-based) and byte (start of that line); both files stay byte-for-byte as they were
+    and nothing is applied (the journal can be opened once repaired)."""
     path = tmp_path / "j.json"
     log = Path(str(path) + ".log")
     run(build_journal(path))
@@ -544,7 +742,7 @@ def test_damaged_log_entry_is_append_log_corrupt(tmp_path: Path, damage: str, ap
     mutate, line = LOG_DAMAGE[damage]
     bad_log = mutate(good_log)
     log.write_bytes(bad_log)
-    byte = sum(len(part) for part in bad_log.splitlines(keepends=True)[: line - 1])
+    byte = _line_start(bad_log, line - 1)
     before = files_of(tmp_path)
     del before["j.json.lock"]
 
@@ -562,6 +760,262 @@ def test_damaged_log_entry_is_append_log_corrupt(tmp_path: Path, damage: str, ap
         kv = await opened(path)
         assert len(await kv.scan(S, "inbox")) == 4
         await kv.close()
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-5")
+@pytest.mark.parametrize("log_seq", [1, 2, 3, 9], ids=lambda n: f"log_seq={n}")
+def test_log_seq_edited_upwards_is_corruption_not_skipped_entries(tmp_path: Path, log_seq: int) -> None:
+    """BACK-5 (issue 13): a snapshot whose log_seq was raised — every checksum recomputed,
+    so only the sequence check can tell — beside the log seq 1..3 would skip entries the
+    snapshot never received. Entries at or before log_seq are skipped only when the
+    snapshot holds what they wrote, and they must reach log_seq: otherwise
+    APPEND_LOG_CORRUPT naming the log, and no file changes."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    run(build_journal(path))
+    path.write_bytes(_reframed_header(path.read_bytes(), log_seq=log_seq))
+    before = files_of(tmp_path)
+    del before["j.json.lock"]
+
+    async def main() -> None:
+        for append_log in (False, True):
+            with pytest.raises(JournalCorruptError) as caught:
+                await opened(path, append_log=append_log)
+            assert caught.value.code == "APPEND_LOG_CORRUPT"
+            assert caught.value.file == str(log.resolve())  # type: ignore[attr-defined]
+            assert_points_at_a_line(caught.value, log.read_bytes())
+            assert files_of(tmp_path) == before
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-5")
+def test_a_snapshot_that_holds_the_folded_entries_skips_them(tmp_path: Path) -> None:
+    """BACK-4, BACK-5: the legitimate counterpart of the test above — a crash between
+    compaction's two steps leaves a snapshot at log_seq 3 that holds what entries 1..3
+    wrote (the last write of each key) beside the untruncated log, plus entries appended
+    after a compaction whose truncation failed: the folded entries are checked and
+    skipped, the later ones applied."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    log.write_bytes(
+        LOG_HEADER
+        + put_line(1, "k1", 1, {"v": 1})
+        + put_line(2, "gone", 1, {})
+        + del_line(3, "gone", 1)
+        + put_line(4, "k1", 2, {"v": 2}, due=1.0)
+    )
+
+    async def main() -> None:
+        # The snapshot still holds "gone", which seq 3 deleted: it did not receive seq 3.
+        path.write_bytes(snapshot_text(3, [[S, "inbox", "gone", 1, None, None, {}], [S, "inbox", "k1", 1, None, None, {"v": 1}]]))
+        with pytest.raises(JournalCorruptError) as caught:
+            await opened(path)
+        assert caught.value.line == 4 and "log_seq 3" in str(caught.value)  # type: ignore[attr-defined]
+        # It holds k1 at version 2: written by seq 4, not by the folded seq 1.
+        path.write_bytes(snapshot_text(3, [[S, "inbox", "k1", 2, 1.0, None, {"v": 2}]]))
+        with pytest.raises(JournalCorruptError) as caught:
+            await opened(path)
+        assert caught.value.line == 2  # type: ignore[attr-defined]
+        path.write_bytes(snapshot_text(3, [[S, "inbox", "k1", 1, None, None, {"v": 1}]]))
+        kv = await opened(path, append_log=True)
+        assert await kv.scan(S, "inbox") == [("k1", Versioned({"v": 2}, 2))]
+        assert await kv.range(S, "inbox", "due", upto=INF, limit=10) == [(1.0, "k1")]
+        await kv.put(S, "inbox", "k2", {}, expected_version=0)
+        assert [e["seq"] for e in log_lines(path)] == [1, 2, 3, 4, 5]
+        await kv.close()
+
+    run(main())
+
+
+# ---------------------------------------------------------------------------------------
+# Format versions: version 1 migrated, unknown versions refused (issue 13)
+# ---------------------------------------------------------------------------------------
+
+
+def _v1_journal(path: Path) -> dict[str, Any]:
+    """A journal as the previous release wrote it (version 1): a snapshot at log_seq 2 and
+    a log that continues it with seq 3..5, ±inf scores, non-ASCII text; returns what it
+    holds."""
+    log = Path(str(path) + ".log")
+    path.write_bytes(
+        snapshot_text_v1(
+            2,
+            [
+                [S, "inbox", "a", 2, -INF, None, {"t": "héllo ☃"}],
+                [S, "outbox", "o", 1, 5.0, INF, {"n": [1, {"x": None}]}],
+            ],
+        )
+    )
+    log.write_bytes(
+        put_line_v1(3, "b", 1, {"n": 3}, due=INF)
+        + put_line_v1(4, "a", 3, {"t": "again"}, due=2.5)
+        + del_line_v1(5, "o", 1, space="outbox")
+    )
+    return {
+        f"{S}/inbox": {
+            "records": [("a", {"t": "again"}, 3), ("b", {"n": 3}, 1)],
+            "due": [(2.5, "a"), (INF, "b")],
+            "expires": [],
+        },
+        f"{S}/outbox": {"records": [], "due": [], "expires": []},
+    }
+
+
+@pytest.mark.spec("BACK-4", "BACK-5")
+@pytest.mark.parametrize("append_log", [False, True], ids=["snapshot", "append-log"])
+def test_a_version_1_journal_is_migrated_at_open(
+    tmp_path: Path, append_log: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 13: a journal of the previous release (version 1: no header, no checksums)
+    opens with exactly its records and is rewritten in version 2 by that open — a
+    version-2 snapshot holding everything, the log emptied to its header or removed —
+    with a warning naming the file; it then reopens as a version-2 journal."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    expected = _v1_journal(path)
+
+    async def main() -> None:
+        with caplog.at_level(logging.WARNING, logger="botmesh.core.file_backend"):
+            kv = await opened(path, append_log=append_log)
+        assert "format version 1" in caplog.text and str(path.resolve()) in caplog.text
+        assert await dump(kv) == expected
+        assert read_snapshot(path)["log_seq"] == 5
+        if append_log:
+            assert log.read_bytes() == LOG_HEADER
+            await kv.put(S, "inbox", "c", {}, expected_version=0)
+            assert [e["seq"] for e in log_lines(path)] == [6]
+            kv.abandon()
+        else:
+            assert not log.exists()
+            await kv.close()
+        again = await opened(path)
+        found = await dump(again)
+        assert found[f"{S}/inbox"]["records"][:2] == expected[f"{S}/inbox"]["records"]
+        await again.close()
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-5")
+@pytest.mark.parametrize("append_log", [False, True], ids=["snapshot", "append-log"])
+def test_a_damaged_version_1_journal_is_refused_untouched(tmp_path: Path, append_log: bool) -> None:
+    """Issue 13: version 1 is read with the rules of version 2 except the checksums it
+    does not have: a complete log line that does not parse — also the last one — is
+    APPEND_LOG_CORRUPT (only the unterminated final line is torn), and the bounds hold
+    (NaN, 400 digits, 100,000 ``[``, an infinite value): JournalCorruptError, nothing
+    migrated, no file changed."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    _v1_journal(path)
+    good_snapshot, good_log = path.read_bytes(), log.read_bytes()
+    last = good_log.splitlines(keepends=True)[-1]
+    bad_logs = {
+        "unparseable-last-line": good_log + b'{"seq":6,"op":"pu\n',
+        "nan-due": good_log + put_line_v1(6, "z", 1, {}).replace(b'"due": null', b'"due": NaN'),
+        "400-digit-due": good_log + put_line_v1(6, "z", 1, {}).replace(b'"due": null', b'"due": 1' + b"0" * 400),
+        "deep-nesting": good_log + b"[" * 100_000 + b"\n",
+        "infinity-in-value": good_log + put_line_v1(6, "z", 1, {}).replace(b'"value": {}', b'"value": {"x": Infinity}'),
+        "invalid-utf-8": good_log.replace(b'"again"', b'"ag\xffin"'),
+        "utf-8-surrogate": good_log.replace(b'"again"', b'"ag\xed\xa0\x80in"'),
+        "torn-line-then-an-entry": good_log[: -len(last)] + last[:20] + b"\n" + last,
+    }
+    bad_snapshots = {
+        "deep-nesting": b'{"format":"botmesh.file_kv","version":1,"log_seq":0,"records":' + b"[" * 100_000,
+        "nan-due": good_snapshot.replace(b"5.0", b"NaN"),
+        "extra-field": good_snapshot.replace(b'"log_seq"', b'"x":1,"log_seq"'),
+        "future-version-unframed": good_snapshot.replace(b'"version": 1', b'"version": 9'),
+    }
+
+    async def main() -> None:
+        cases = [(log, name, bad) for name, bad in bad_logs.items()]
+        cases += [(path, name, bad) for name, bad in bad_snapshots.items()]
+        for target, name, bad in cases:
+            path.write_bytes(good_snapshot)
+            log.write_bytes(good_log)
+            target.write_bytes(bad)
+            before = files_of(tmp_path)
+            with pytest.raises(JournalCorruptError) as caught:
+                await opened(path, append_log=append_log)
+            assert caught.value.file == str(target.resolve()), name  # type: ignore[attr-defined]
+            assert_points_at_a_line(caught.value, bad)
+            assert files_of(tmp_path) == before, name
+        # and the torn final line of a version-1 log is cut, the rest migrated
+        path.write_bytes(good_snapshot)
+        log.write_bytes(good_log + b'{"seq":6,"op":"put","sco')
+        kv = await opened(path, append_log=append_log)
+        assert [k for k, _ in await kv.scan(S, "inbox")] == ["a", "b"]
+        await kv.close()
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-5")
+@pytest.mark.parametrize("which", ["snapshot", "log"])
+def test_an_unknown_future_version_is_refused_naming_it(tmp_path: Path, which: str) -> None:
+    """Issue 13: a file whose framed header names a format version this release does not
+    know is refused — JournalCorruptError code JOURNAL_VERSION_UNSUPPORTED, ``version``
+    and the message naming it — before anything is read or changed."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    run(build_journal(path))
+    if which == "snapshot":
+        path.write_bytes(_reframed_header(path.read_bytes(), version=3, more="a field of version 3"))
+    else:
+        log.write_bytes(frame(b'{"format":"botmesh.file_kv.log","version":7}') + b"\x00binary entries of v7\n")
+    before = files_of(tmp_path)
+    del before["j.json.lock"]
+    target = path if which == "snapshot" else log
+    version = 3 if which == "snapshot" else 7
+
+    async def main() -> None:
+        for append_log in (False, True):
+            with pytest.raises(JournalCorruptError) as caught:
+                await opened(path, append_log=append_log)
+            error = caught.value
+            assert error.code == "JOURNAL_VERSION_UNSUPPORTED"
+            assert error.version == version  # type: ignore[attr-defined]
+            assert error.file == str(target.resolve())  # type: ignore[attr-defined]
+            assert f"format version {version}" in str(error) and "newer release" in str(error)
+            assert (error.line, error.byte) == (1, 0)  # type: ignore[attr-defined]
+            assert files_of(tmp_path) == before
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-7")
+@pytest.mark.parametrize("append_log", [False, True], ids=["snapshot", "append-log"])
+def test_put_refuses_what_the_files_would_not_read_back(tmp_path: Path, append_log: bool) -> None:
+    """Issue 13: the reader's bounds are the writer's: a NaN score, an int score too large
+    for a float and a value nested deeper than 128 levels raise ValueError naming them
+    before anything is written; 128 levels are stored and read back."""
+    path = tmp_path / "j.json"
+
+    def nested(depth: int) -> dict[str, Any]:
+        value: dict[str, Any] = {}
+        for _ in range(depth - 1):
+            value = {"d": value}
+        return value
+
+    async def main() -> None:
+        kv = await opened(path, append_log=append_log)
+        before = files_of(tmp_path)
+        with pytest.raises(ValueError, match="due must not be NaN"):
+            await kv.put(S, "inbox", "k", {}, expected_version=0, due=math.nan)
+        with pytest.raises(ValueError, match="expires is too large"):
+            await kv.put(S, "inbox", "k", {}, expected_version=0, expires=10**400)
+        with pytest.raises(ValueError, match=f"{S}/inbox/deep: the value nests deeper than 128"):
+            await kv.put(S, "inbox", "deep", nested(129), expected_version=0)
+        assert files_of(tmp_path) == before
+        assert await kv.get(S, "inbox", "k") is None
+        await kv.put(S, "inbox", "deep", nested(128), expected_version=0, due=10**300)
+        kv.abandon()
+        again = await opened(path)
+        assert await again.get(S, "inbox", "deep") == Versioned(nested(128), 1)
+        assert await again.range(S, "inbox", "due", upto=INF, limit=1) == [(1e300, "deep")]
+        await again.close()
 
     run(main())
 
@@ -893,7 +1347,8 @@ def test_fsync_forces_snapshots_and_appends_to_disk(tmp_path: Path, fsync: bool 
         await kv.close()
         appends = [args for name, args in spy.calls if name == "append"]
         writes = [args for name, args in spy.calls if name == "write_file"]
-        assert appends == [expect] and writes == [("log.json.tmp", expect)]
+        # The log's header (written when the log is created at open), then the put.
+        assert appends == [expect, expect] and writes == [("log.json.tmp", expect)]
         assert (("fsync_dir", None) in spy.calls) == expect
 
     run(main())

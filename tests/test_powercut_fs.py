@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 import pytest
 
+from botmesh.core.errors import JournalCorruptError
 from botmesh.core.file_backend import FileDurability, FileKv
 from botmesh_testkit.crash.fs import (
     PersistenceModel,
@@ -284,8 +285,14 @@ def test_a_state_restarts_as_a_model_and_materializes(tmp_path: Path) -> None:
 
 # == the in-process variant ========================================================================
 async def _keys_in(journal: Path) -> set[str]:
+    """The keys a reopen of ``journal`` finds; none when it is refused as damaged (BACK-5:
+    a crash state without fsync may leave a hole of zeros before a kept later append,
+    which is a damaged complete line, not a torn final one)."""
     kv = FileKv(journal, append_log=True)
-    await kv.open()
+    try:
+        await kv.open()
+    except JournalCorruptError:
+        return set()
     try:
         return {key for key, _ in await kv.scan("s", "sp", limit=1000)}
     finally:

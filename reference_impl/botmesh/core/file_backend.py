@@ -29,19 +29,27 @@ Writes (BACK-4, BACK-6):
   been committed to the log, so it is logged as a warning and retried at the next write.
 
 Open (BACK-4, BACK-5): the snapshot is read, then a leftover log is replayed — always,
-also without ``append_log`` (it is then folded into the snapshot and removed). Damage is
-reported as :class:`~botmesh.core.errors.JournalCorruptError` naming the file, before
-anything is applied or any file is touched:
+also without ``append_log`` (it is then folded into the snapshot and removed). Every line
+of both files carries its length and a CRC-32, the snapshot its record count and a
+checksum of the whole file (the format, version 2, and its reading rules are in
+:mod:`botmesh.core.file_format`). Damage is reported as
+:class:`~botmesh.core.errors.JournalCorruptError` naming the file, the line and the byte,
+before anything is applied or any file is touched; nothing else escapes ``open()`` for
+what a file contains:
 
-* a snapshot that does not parse (truncated, garbage, wrong shape): ``code
-  "SNAPSHOT_CORRUPT"``;
-* a torn tail of the log — a last line without its newline, or lines that are not JSON
-  with no readable entry after them — is cut off (the file is truncated to the end of the
-  last good line) and the rest replayed: those writes never returned;
-* a line that is not JSON followed by more entries, a JSON line that is not a valid
-  entry, or an entry that does not apply (a version or sequence gap): ``code
-  "APPEND_LOG_CORRUPT"`` with ``file``, ``line`` (1-based) and ``byte`` (offset of the
-  start of that line), the log left as it is.
+* a snapshot that does not read back (cut, a bit flipped, a record missing or added, a
+  wrong shape): ``code "SNAPSHOT_CORRUPT"``;
+* only the log's **incomplete final line** — bytes after the last newline that never got
+  their terminator — is a torn write: it is cut off (the file truncated to the end of the
+  last complete line) and the rest replayed: that write never returned;
+* a **complete** log line with a wrong length or checksum, that is not a valid entry, or
+  that does not apply (a version or sequence gap, a ``log_seq`` claiming entries the
+  snapshot does not hold) — in the middle or last: ``code "APPEND_LOG_CORRUPT"`` with
+  ``file``, ``line`` (1-based) and ``byte`` (offset of the start of that line), the log
+  left as it is;
+* a file in a format version this release does not read: ``code
+  "JOURNAL_VERSION_UNSUPPORTED"`` naming the version. A journal in version 1 (earlier
+  releases: no checksums) is read and rewritten in version 2 by the open.
 
 Locking (BACK table): ``<path>.lock`` rejects a second live process; a second ``open()``
 of the same (resolved) path in this process is rejected until ``close()``. A lock whose

@@ -2,50 +2,128 @@
 encoding and parsing the snapshot and the append log, and replaying the log onto the
 snapshot's records. Pure functions over bytes; :class:`~botmesh.core.file_kv.FileKv`
 does the I/O. A damaged file raises :class:`~botmesh.core.errors.JournalCorruptError`
-(its rules are under "Open" in :mod:`botmesh.core.file_backend`).
+(BACK-5; the rules are under "Reading" below).
 
-Files, for a journal opened at ``path``:
+Format version 2 (this release writes it; it reads versions 1 and 2)
+=====================================================================
 
-``path``
-    The **snapshot**: one JSON document with every record and ``log_seq``, the sequence
-    number of the last append-log entry it includes. Always replaced by writing
-    ``<path>.tmp`` and renaming it over ``path``: atomic against a crash of the process;
-    against a power cut only with ``fsync``, which forces the data to disk before the
-    rename and the directory after it (without, the rename may land and the data not)::
+Both files are ASCII text made of **framed lines**. A framed line is::
 
-        {"format":"botmesh.file_kv","version":1,"log_seq":42,"records":[
-        [scope, space, key, version, due, expires, value],
-        ...
-        ]}
+    <length> <crc32> <payload>\\n
 
-``<path>.log``
-    The **append log** (only with ``append_log=True``, or a leftover of such a run): one
-    JSON line per committed write, carrying everything needed to replay it::
+``length`` is the payload's size in bytes (decimal, no leading zero), ``crc32`` the
+CRC-32 of the payload (8 lowercase hex digits; ``zlib.crc32``, the polynomial of zlib,
+PNG and Ethernet) and ``payload`` one JSON value with no newline in it (non-ASCII text
+is escaped as ``\\uXXXX``). CRC-32 rather than CRC-32C: both detect every burst of up to
+32 damaged bits and miss other damage with odds of 1 in 2**32, which is what damaged
+files need (an attacker who can write the file can also recompute either); CRC-32 is in
+the standard library and implemented in C there, CRC-32C would add a dependency.
 
-        {"seq":43,"op":"put","scope":..,"space":..,"key":..,"version":3,"due":..,"expires":..,"value":{..}}
-        {"seq":44,"op":"del","scope":..,"space":..,"key":..,"version":3}
+``path`` — the **snapshot**. The first line is the header, then one line per record, then
+a trailer with the record count and the CRC-32 of every byte before the trailer::
 
-    ``version`` is the version the put created, or the version the delete removed.
-    ``seq`` grows by one per entry and never restarts (it continues from ``log_seq``).
+    {"format":"botmesh.file_kv","version":2,"log_seq":42,"records":2}
+    [scope, space, key, version, due, expires, value]
+    [scope, space, key, version, due, expires, value]
+    {"end":2,"crc32":"89abcdef"}
 
-``<path>.lock``
-    The owner's pid; the owner also holds a ``flock`` on it while open.
+(each line framed as above). ``log_seq`` is the sequence number of the last append-log
+entry the snapshot includes. ``due``/``expires`` are ``null``, a finite JSON number, or
+the strings ``"inf"`` / ``"-inf"``; ``value`` a JSON object. The snapshot is always
+replaced by writing ``<path>.tmp`` and renaming it over ``path`` (atomic against a crash of
+the process; against a power cut only with ``fsync``, which forces the data to disk before
+the rename and the directory after it), so any damage to it is corruption: it has no torn
+tail.
+
+``<path>.log`` — the **append log** (only with ``append_log=True``, or a leftover of such
+a run). The first line is the header ``{"format":"botmesh.file_kv.log","version":2}``,
+then one line per committed write::
+
+    {"seq":43,"op":"put","scope":..,"space":..,"key":..,"version":3,"due":..,"expires":..,"value":{..}}
+    {"seq":44,"op":"del","scope":..,"space":..,"key":..,"version":3}
+
+``version`` is the version the put created, or the version the delete removed. ``seq``
+grows by one per entry and never restarts (it continues from ``log_seq``). Compaction
+truncates the log back to its header.
+
+``<path>.lock`` — the owner's pid; the owner also holds a ``flock`` on it while open.
+
+The header's framing is the one thing every later version keeps: a file whose first line
+is a framed header naming a ``version`` this release does not know is refused with code
+``JOURNAL_VERSION_UNSUPPORTED`` naming that version.
+
+Reading (BACK-5)
+================
+
+Everything is checked before anything is applied: lengths, checksums, the JSON shape of
+every line, the record count and the file checksum of the snapshot, the sequence numbers
+of the log. Any failure raises ``JournalCorruptError`` with ``file``, ``line`` (1-based)
+and ``byte`` (offset where that line starts); nothing else escapes (a nesting deeper than
+:data:`MAX_VALUE_DEPTH`, a number too large, ``NaN``, text that is not ASCII are damage
+like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
+``JOURNAL_VERSION_UNSUPPORTED`` (also given ``version``).
+
+* **Torn write**: only the log's *final, incomplete* line — bytes after the last newline
+  that never got their terminator, whether a prefix of the line or the zeros a power cut
+  leaves — is a torn write: it is cut off and the rest replayed (that write never
+  returned). When the bytes after the last newline start with a complete length and
+  checksum and run *past* that length, the line reached its full size with a wrong
+  terminator: that is damage, not a torn write.
+* **Every complete line** (one ending in a newline) must have the right length and
+  checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
+  the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write.
+* **Sequence numbers**: entries follow each other by one; the first is at most
+  ``log_seq + 1``; entries at or before ``log_seq`` (left by a crash between compaction's
+  two steps) are skipped only after checking that the snapshot holds what they wrote, and
+  they must reach ``log_seq`` — so a ``log_seq`` edited upwards, which would silently skip
+  entries, is ``APPEND_LOG_CORRUPT``.
+
+The one change a format of this kind cannot see: a log cut *exactly* at the end of a line
+(or its last lines deleted) is a valid log of an earlier moment. Only an outside record of
+how far the log went could tell, and the log exists so that no other file is written per
+write.
+
+Version 1 (written by earlier releases): a migration
+=====================================================
+
+A version-1 snapshot is one JSON document ``{"format":"botmesh.file_kv","version":1,
+"log_seq":..,"records":[[..], ..]}`` (scores as JSON numbers or ``Infinity``), a version-1
+log one bare JSON entry per line, without header, lengths or checksums. They are read with
+the same rules except the checksums, which they do not have (the same bounds on JSON;
+``Infinity`` only as a score; a complete line that does not parse is corruption, only the
+unterminated final line is torn). A journal read in version 1 is **rewritten in version 2
+by the open that read it**, after everything was read and before ``open()`` returns (a new
+snapshot with every record, then the log emptied to the version-2 header or removed), and
+a warning names the file. A crash during that rewrite leaves a version-2 snapshot beside a
+version-1 log whose entries it already holds, which opens like any interrupted compaction.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import zlib
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 from .errors import JournalCorruptError
 
 __all__ = [
+    "FORMAT_VERSION",
+    "LOG_FORMAT",
+    "LOG_HEADER",
+    "MAX_VALUE_DEPTH",
+    "READABLE_VERSIONS",
     "SNAPSHOT_FORMAT",
     "Entry",
     "LogEntry",
+    "LogScan",
     "Records",
+    "Snapshot",
     "Space",
+    "encode_value",
+    "frame",
     "is_int",
     "is_score",
     "log_line",
@@ -56,8 +134,18 @@ __all__ = [
 ]
 
 SNAPSHOT_FORMAT = "botmesh.file_kv"
-"""The ``format`` field of a snapshot file."""
-_SNAPSHOT_VERSION = 1
+"""The ``format`` field of a snapshot's header."""
+LOG_FORMAT = "botmesh.file_kv.log"
+"""The ``format`` field of an append log's header."""
+FORMAT_VERSION = 2
+"""The format version this release writes."""
+READABLE_VERSIONS = (1, 2)
+"""The format versions this release reads (version 1 is migrated at open)."""
+MAX_VALUE_DEPTH = 128
+"""How deep a stored value may nest (a flat object is depth 1). Deeper values are refused
+by ``FileKv.put`` with ``ValueError``, and a line nesting deeper is damage: the reader
+never recurses without bound."""
+_MAX_INT = 2**63 - 1  # versions, sequence numbers, counts
 
 Entry = tuple[dict[str, Any], int, float | None, float | None]
 """One record: value, version, due, expires — the same tuple MemoryKv keeps."""
@@ -84,6 +172,28 @@ class LogEntry:
     byte: int
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A parsed snapshot file."""
+
+    records: Records
+    log_seq: int
+    version: int
+
+
+@dataclass(frozen=True)
+class LogScan:
+    """A scanned append log. ``good`` is the length of its good prefix (where a torn final
+    line starts, or the file's length); ``header_end`` where the entries start (0 for a
+    version-1 log or a log without a complete header); ``version`` is None for a log with
+    no complete line."""
+
+    entries: list[LogEntry]
+    good: int
+    header_end: int
+    version: int | None
+
+
 def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an int (a bool is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -94,49 +204,114 @@ def is_score(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
-def _dumps(obj: Any) -> str:
-    # allow_nan: scores may be ±inf (values were already checked by check_json_object,
-    # which forbids NaN/inf inside them); Python's json reads Infinity back.
-    return json.dumps(obj, separators=(",", ":"), allow_nan=True)
+def _counter(value: object, low: int) -> TypeGuard[int]:
+    return is_int(value) and low <= value <= _MAX_INT
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------
+
+
+# One encoder for every line (json.dumps with arguments builds a new one per call).
+# allow_nan=False: scores are encoded by _score_out (±inf as strings), and values were
+# checked by check_json_object, which forbids NaN/inf inside them.
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_INF = math.inf
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` as one framed line: ``<length> <crc32> <payload>\\n``."""
+    return b"%d %08x " % (len(payload), zlib.crc32(payload)) + payload + b"\n"
+
+
+def _score_out(score: float | None) -> float | str | None:
+    if score is None or -_INF < score < _INF:
+        return score
+    return "inf" if score > 0 else "-inf"
+
+
+def encode_value(value: dict[str, Any], where: str) -> str:
+    """``value`` as the JSON text the files store, or ``ValueError`` naming ``where`` when
+    it nests deeper than :data:`MAX_VALUE_DEPTH` (the reader would refuse it)."""
+    text = _dumps(value)
+    if _too_deep(text, MAX_VALUE_DEPTH):
+        raise ValueError(f"{where}: the value nests deeper than {MAX_VALUE_DEPTH} levels, which a file journal does not store")
+    return text
+
+
+_HEADER_START = '{"format":"' + SNAPSHOT_FORMAT + '","version":' + str(FORMAT_VERSION)
 
 
 def snapshot_bytes(records: Records, log_seq: int) -> bytes:
-    """The snapshot file for ``records``: one record per line, sorted, so the file is
-    deterministic and readable."""
-    rows: list[str] = []
+    """The snapshot file for ``records`` (version 2): header, one record per line sorted,
+    trailer with the count and the checksum, so the file is deterministic and readable."""
+    parts: list[bytes] = [b""]  # the header goes first, once the count is known
+    crc32 = zlib.crc32
     for scope, space in sorted(records):
         space_map = records[(scope, space)]
         for key in sorted(space_map):
             value, version, due, expires = space_map[key]
-            rows.append(_dumps([scope, space, key, version, due, expires, value]))
-    head = _dumps({"format": SNAPSHOT_FORMAT, "version": _SNAPSHOT_VERSION, "log_seq": log_seq})
-    # Splice the records list into the header object by hand to get one line per record.
-    body = head[:-1] + ',"records":[\n' + ",\n".join(rows) + ("\n" if rows else "") + "]}\n"
-    return body.encode("ascii")
+            if due is not None and not -_INF < due < _INF:
+                due = _score_out(due)  # type: ignore[assignment]
+            if expires is not None and not -_INF < expires < _INF:
+                expires = _score_out(expires)  # type: ignore[assignment]
+            # The value as check_json_object produced it: already known to be storable.
+            payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
+            parts.append(b"%d %08x " % (len(payload), crc32(payload)))
+            parts.append(payload)
+            parts.append(b"\n")
+    count = (len(parts) - 1) // 3
+    parts[0] = frame(f'{_HEADER_START},"log_seq":{log_seq},"records":{count}}}'.encode("ascii"))
+    body = b"".join(parts)
+    trailer = f'{{"end":{count},"crc32":"{crc32(body):08x}"}}'.encode("ascii")
+    return body + frame(trailer)
 
 
-def log_line(seq: int, op: str, scope: str, space: str, key: str, version: int, entry: Entry | None) -> bytes:
-    """One append-log line, newline included (json.dumps escapes every newline inside,
-    so a line never spans two)."""
+def log_line(
+    seq: int,
+    op: str,
+    scope: str,
+    space: str,
+    key: str,
+    version: int,
+    entry: Entry | None,
+    encoded_value: str | None = None,
+) -> bytes:
+    """One framed append-log line, newline included. ``encoded_value`` is the value as
+    :func:`encode_value` returned it (computed from ``entry`` when not given)."""
     obj: dict[str, Any] = {"seq": seq, "op": op, "scope": scope, "space": space, "key": key, "version": version}
-    if entry is not None:
-        obj["due"] = entry[2]
-        obj["expires"] = entry[3]
-        obj["value"] = entry[0]
-    return (_dumps(obj) + "\n").encode("ascii")
+    if entry is None:
+        return frame(_dumps(obj).encode("ascii"))
+    obj["due"] = _score_out(entry[2])
+    obj["expires"] = _score_out(entry[3])
+    if encoded_value is None:
+        encoded_value = encode_value(entry[0], f"{scope}/{space}/{key}")
+    return frame((_dumps(obj)[:-1] + ',"value":' + encoded_value + "}").encode("ascii"))
 
 
-def _corrupt_snapshot(path: str, reason: str) -> JournalCorruptError:
-    return JournalCorruptError(
-        f"{path}: the snapshot cannot be read back ({reason}); nothing was loaded — "
-        "restore it from a copy or move it aside",
+LOG_HEADER = frame(('{"format":"' + LOG_FORMAT + '","version":' + str(FORMAT_VERSION) + "}").encode("ascii"))
+"""The first line of every version-2 append log, framed."""
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------
+
+
+def _corrupt_snapshot(path: str, line: int, byte: int, reason: str) -> NoReturn:
+    raise JournalCorruptError(
+        f"{path}: the snapshot cannot be read back (line {line}, byte {byte}: {reason}); nothing was "
+        "loaded and no file was changed — restore it from a copy or move it aside",
         code="SNAPSHOT_CORRUPT",
         file=path,
+        line=line,
+        byte=byte,
     )
 
 
-def _corrupt_log(path: str, line: int, byte: int, reason: str) -> JournalCorruptError:
-    return JournalCorruptError(
+def _corrupt_log(path: str, line: int, byte: int, reason: str) -> NoReturn:
+    raise JournalCorruptError(
         f"{path}: damaged append-log entry at line {line} (byte {byte}): {reason}; the log "
         "was left as it is — restore it from a copy or move it aside",
         code="APPEND_LOG_CORRUPT",
@@ -146,145 +321,430 @@ def _corrupt_log(path: str, line: int, byte: int, reason: str) -> JournalCorrupt
     )
 
 
-def parse_snapshot(data: bytes, path: str) -> tuple[Records, int]:
-    """Records and ``log_seq`` of a snapshot file, or ``JournalCorruptError``."""
-    try:
-        doc = json.loads(data)
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise _corrupt_snapshot(path, f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
-        raise _corrupt_snapshot(path, f"not a {SNAPSHOT_FORMAT} snapshot")
-    if doc.get("version") != _SNAPSHOT_VERSION:
-        raise _corrupt_snapshot(path, f"unsupported snapshot version {doc.get('version')!r}")
-    log_seq = doc.get("log_seq")
-    rows = doc.get("records")
-    if not is_int(log_seq) or log_seq < 0 or not isinstance(rows, list):
-        raise _corrupt_snapshot(path, "bad log_seq or records")
-    records: Records = {}
-    for i, row in enumerate(rows):
-        if not (
-            isinstance(row, list)
-            and len(row) == 7
-            and all(isinstance(part, str) for part in row[:3])
-            and is_int(row[3])
-            and row[3] >= 1
-            and is_score(row[4])
-            and is_score(row[5])
-            and isinstance(row[6], dict)
-        ):
-            raise _corrupt_snapshot(path, f"record #{i + 1} is malformed")
-        scope, space, key, version, due, expires, value = row
-        space_map = records.setdefault((scope, space), {})
-        if key in space_map:
-            raise _corrupt_snapshot(path, f"record #{i + 1} ({space}/{key}) appears twice")
-        space_map[key] = (
-            value,
-            version,
-            None if due is None else float(due),
-            None if expires is None else float(expires),
-        )
-    return records, log_seq
-
-
-def _parse_entry(obj: Any, line: int, byte: int) -> LogEntry | None:
-    """A log entry from a decoded JSON line, or None when it is not a valid one."""
-    if not isinstance(obj, dict):
-        return None
-    seq, op, version = obj.get("seq"), obj.get("op"), obj.get("version")
-    scope, space, key = obj.get("scope"), obj.get("space"), obj.get("key")
-    if not (is_int(seq) and seq >= 1 and is_int(version) and version >= 1):
-        return None
-    if not (isinstance(scope, str) and isinstance(space, str) and isinstance(key, str)):
-        return None
-    if op == "del":
-        return LogEntry(seq, op, scope, space, key, version, None, None, None, line, byte)
-    if op != "put":
-        return None
-    value, due, expires = obj.get("value"), obj.get("due"), obj.get("expires")
-    if not (isinstance(value, dict) and is_score(due) and is_score(expires)):
-        return None
-    return LogEntry(
-        seq,
-        op,
-        scope,
-        space,
-        key,
-        version,
-        value,
-        None if due is None else float(due),
-        None if expires is None else float(expires),
-        line,
-        byte,
+def _unsupported(path: str, version: object, what: str) -> NoReturn:
+    raise JournalCorruptError(
+        f"{path}: {what} is in format version {version!r}, which this release of botmesh does not read "
+        f"(it reads versions {', '.join(map(str, READABLE_VERSIONS))}); it was probably written by a newer "
+        "release — open it with that release. No file was changed",
+        code="JOURNAL_VERSION_UNSUPPORTED",
+        file=path,
+        line=1,
+        byte=0,
+        version=version,
     )
 
 
-def scan_log(data: bytes, path: str) -> tuple[list[LogEntry], int]:
-    """The entries of a log file and the length of its good prefix (where a torn tail
-    starts, or ``len(data)``). Raises ``APPEND_LOG_CORRUPT`` for damage that is not a
-    torn tail."""
+# ---------------------------------------------------------------------------------------
+# Bounded parsing
+# ---------------------------------------------------------------------------------------
+
+_FRAME_HEAD = re.compile(rb"(0|[1-9][0-9]{0,11}) ([0-9a-f]{8}) ")
+# A JSON string (skipped) or a bracket: what the nesting depth is counted over.
+_DEPTH_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_QUOTE, _OPENERS = ord('"'), frozenset(b"[{")
+
+
+def _too_deep(text: str | bytes, limit: int) -> bool:
+    """Whether the JSON ``text`` nests deeper than ``limit``. Counting the openers is enough
+    almost always (C speed); only text with more openers than ``limit`` is scanned, and
+    the scan stops as soon as the limit is passed."""
+    data = text.encode("ascii", "replace") if isinstance(text, str) else text
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    depth = 0
+    for match in _DEPTH_TOKENS.finditer(data):
+        first = data[match.start()]
+        if first == _QUOTE:
+            continue
+        if first in _OPENERS:
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _allow_infinity(name: str) -> Any:
+    if name == "NaN":
+        raise ValueError("NaN is not a JSON number")
+    return math.inf if name == "Infinity" else -math.inf
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return number
+
+
+# Two decoders, built once (json.loads with arguments builds a decoder per
+# call): NaN/Infinity refused (version 2) or Infinity allowed (version 1, for scores);
+# every float checked for an overflow to inf (1e400).
+_SCAN = {
+    infinity: json.JSONDecoder(
+        parse_constant=_allow_infinity if infinity else _refuse_constant, parse_float=_finite_float
+    ).raw_decode
+    for infinity in (False, True)
+}
+
+
+def _decode(payload: bytes, depth: int, *, infinity: bool = False) -> tuple[Any, str | None]:
+    """The JSON value of ``payload``, or ``(None, reason)``. Bounded: ASCII only, nesting at
+    most ``depth``, numbers finite (``Infinity`` only when ``infinity``), integers at most
+    Python's 4300 digits; never raises."""
+    if not payload.isascii():
+        return None, "bytes that are not ASCII"
+    if _too_deep(payload, depth):
+        return None, f"JSON nested deeper than {depth} levels"
+    text = payload.decode("ascii")
+    try:
+        value, end = _SCAN[infinity](text, 0)
+    except (ValueError, RecursionError) as exc:  # ValueError includes JSONDecodeError
+        return None, f"not valid JSON ({str(exc)[:120]})"
+    if end != len(text) and text[end:].strip(" \t\r\n"):
+        return None, "not valid JSON (data after the value)"
+    return value, None
+
+
+def _read_frame(data: bytes, pos: int) -> tuple[bytes | None, int, str | None]:
+    """The framed line starting at ``pos``: ``(payload, next_pos, None)`` when it is
+    complete and sound; ``(None, pos, None)`` when it is an incomplete final line (a torn
+    write); ``(None, pos, reason)`` when it is damaged."""
+    newline = data.find(b"\n", pos)
+    if newline == -1:
+        head = _FRAME_HEAD.match(data, pos)
+        if head is not None and len(data) - head.end() > int(head.group(1)):
+            return None, pos, "the line reached its length but has no newline at its end"
+        return None, pos, None
+    head = _FRAME_HEAD.match(data, pos, newline)
+    if head is None:
+        return None, pos, "no length and checksum at the start of the line"
+    start = head.end()
+    length = int(head.group(1))
+    if start + length != newline:
+        return None, pos, f"the line says {length} bytes but holds {newline - start}"
+    payload = data[start:newline]
+    if zlib.crc32(payload) != int(head.group(2), 16):
+        return None, pos, "checksum mismatch"
+    return payload, newline + 1, None
+
+
+def _score_in(value: Any, infinity_as_number: bool) -> tuple[bool, float | None]:
+    """A score as read: ``(ok, score)``. Version 2 stores ±inf as ``"inf"``/``"-inf"``;
+    version 1 as JSON ``Infinity`` (decoded to a float)."""
+    if value is None:
+        return True, None
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not infinity_as_number):
+            return False, None
+        return True, value
+    if is_int(value):  # version 1 only writes floats, but an int is a number all the same
+        if abs(value) > 2**1023:
+            return False, None
+        return True, float(value)
+    if not infinity_as_number and value in ("inf", "-inf"):
+        return True, math.inf if value == "inf" else -math.inf
+    return False, None
+
+
+def _storable(value: Any) -> bool:
+    """Whether a value read from a version-1 file is one ``check_json_object`` accepts
+    (no ±inf inside: version 1 decodes ``Infinity`` everywhere)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _row_to_entry(row: Any, v1: bool) -> tuple[tuple[str, str, str], Entry] | str:
+    if not (isinstance(row, list) and len(row) == 7):
+        return "not a record (a list of 7)"
+    scope, space, key, version, due, expires, value = row
+    if not (isinstance(scope, str) and isinstance(space, str) and isinstance(key, str)):
+        return "scope, space and key must be strings"
+    if not _counter(version, 1):
+        return f"bad version {str(version)[:40]}"
+    ok_due, due_score = _score_in(due, v1)
+    ok_exp, exp_score = _score_in(expires, v1)
+    if not (ok_due and ok_exp):
+        return "bad due or expires"
+    if not isinstance(value, dict) or (v1 and not _storable(value)):
+        return "the value is not a JSON object"
+    return (scope, space, key), (value, version, due_score, exp_score)
+
+
+# ---------------------------------------------------------------------------------------
+# Snapshot
+# ---------------------------------------------------------------------------------------
+
+_SNAPSHOT_KEYS = frozenset({"format", "version", "log_seq", "records"})
+
+
+def _check_header(obj: Any, fmt: str, path: str, what: str, keys: frozenset[str]) -> str | None:
+    """Refuse a header of another format (reason returned) or of an unknown version
+    (raised); None when it is a version-2 header with exactly ``keys``."""
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        return f"not a {fmt} header"
+    version = obj.get("version")
+    if not is_int(version) or version != FORMAT_VERSION:
+        if is_int(version) and version > FORMAT_VERSION:
+            _unsupported(path, version, what)
+        return f"bad version {str(version)[:40]} in a framed header"
+    if set(obj) != keys:
+        return "unexpected fields in the header"
+    return None
+
+
+def parse_snapshot(data: bytes, path: str) -> Snapshot:
+    """The records and ``log_seq`` of a snapshot file (version 2, or 1), or
+    ``JournalCorruptError``."""
+    if data[:1] == b"{":
+        return _parse_snapshot_v1(data, path)
+    payload, pos, reason = _read_frame(data, 0)
+    if payload is None:
+        if reason is None and data[:1].isdigit():
+            reason = "the header line is cut short"
+        _corrupt_snapshot(path, 1, 0, reason or f"not a {SNAPSHOT_FORMAT} snapshot")
+    header, reason = _decode(payload, 2)
+    if reason is None:
+        reason = _check_header(header, SNAPSHOT_FORMAT, path, "the snapshot", _SNAPSHOT_KEYS)
+    if reason is not None:
+        _corrupt_snapshot(path, 1, 0, reason)
+    log_seq, count = header["log_seq"], header["records"]
+    if not (_counter(log_seq, 0) and _counter(count, 0)):
+        _corrupt_snapshot(path, 1, 0, "bad log_seq or record count in the header")
+    records: Records = {}
+    line = 1
+    depth = MAX_VALUE_DEPTH + 1
+    for _ in range(count):
+        line += 1
+        start = pos
+        payload, pos, reason = _read_frame(data, pos)
+        if payload is None:
+            _corrupt_snapshot(path, line, start, reason or "the file ends before its last record")
+        row, reason = _decode(payload, depth)
+        parsed = _row_to_entry(row, v1=False) if reason is None else reason
+        if isinstance(parsed, str):
+            _corrupt_snapshot(path, line, start, parsed)
+        (scope, space, key), entry = parsed
+        space_map = records.get((scope, space))
+        if space_map is None:
+            space_map = records[(scope, space)] = {}
+        if key in space_map:
+            _corrupt_snapshot(path, line, start, f"record {space}/{key} appears twice")
+        space_map[key] = entry
+    line += 1
+    start = pos
+    payload, pos, reason = _read_frame(data, pos)
+    if payload is None:
+        _corrupt_snapshot(path, line, start, reason or f"the file ends before its trailer (the header says {count} records)")
+    trailer, reason = _decode(payload, 1)
+    if reason is None and not (
+        isinstance(trailer, dict) and set(trailer) == {"end", "crc32"} and isinstance(trailer["crc32"], str)
+    ):
+        reason = f"not the trailer the header's {count} records lead to"
+    if reason is not None:
+        _corrupt_snapshot(path, line, start, reason)
+    if not _counter(trailer["end"], 0) or trailer["end"] != count:
+        _corrupt_snapshot(path, line, start, f"the trailer says {str(trailer['end'])[:40]} records, the header {count}")
+    if trailer["crc32"] != f"{zlib.crc32(memoryview(data)[:start]):08x}":
+        _corrupt_snapshot(path, line, start, "the file's checksum does not match (lines were changed, moved or replaced)")
+    if pos != len(data):
+        _corrupt_snapshot(path, line + 1, pos, "data after the trailer")
+    return Snapshot(records, log_seq, FORMAT_VERSION)
+
+
+def _parse_snapshot_v1(data: bytes, path: str) -> Snapshot:
+    """A version-1 snapshot (one JSON document, no checksums): read for the migration."""
+    # depth: the document, its records list, a row, then the value.
+    doc, reason = _decode(data, MAX_VALUE_DEPTH + 3, infinity=True)
+    if reason is not None:
+        _corrupt_snapshot(path, 1, 0, reason)
+    if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
+        _corrupt_snapshot(path, 1, 0, f"not a {SNAPSHOT_FORMAT} snapshot")
+    version = doc.get("version")
+    if not is_int(version) or version != 1:
+        if is_int(version) and version > FORMAT_VERSION:
+            _unsupported(path, version, "the snapshot")
+        _corrupt_snapshot(path, 1, 0, f"unsupported snapshot version {str(version)[:40]}")
+    if set(doc) != _SNAPSHOT_KEYS:
+        _corrupt_snapshot(path, 1, 0, "unexpected fields in a version-1 snapshot")
+    log_seq = doc["log_seq"]
+    rows = doc["records"]
+    if not _counter(log_seq, 0) or not isinstance(rows, list):
+        _corrupt_snapshot(path, 1, 0, "bad log_seq or records")
+    records: Records = {}
+    for i, row in enumerate(rows):
+        parsed = _row_to_entry(row, v1=True)
+        if isinstance(parsed, str):
+            _corrupt_snapshot(path, 1, 0, f"record #{i + 1} is malformed: {parsed}")
+        (scope, space, key), entry = parsed
+        space_map = records.setdefault((scope, space), {})
+        if key in space_map:
+            _corrupt_snapshot(path, 1, 0, f"record #{i + 1} ({space}/{key}) appears twice")
+        space_map[key] = entry
+    return Snapshot(records, log_seq, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Append log
+# ---------------------------------------------------------------------------------------
+
+_PUT_KEYS = frozenset({"seq", "op", "scope", "space", "key", "version", "due", "expires", "value"})
+_DEL_KEYS = frozenset({"seq", "op", "scope", "space", "key", "version"})
+_LOG_KEYS = frozenset({"format", "version"})
+
+
+def _parse_entry(obj: Any, line: int, byte: int, v1: bool) -> LogEntry | str:
+    """A log entry from a decoded JSON line, or the reason it is not a valid one."""
+    if not isinstance(obj, dict):
+        return "not a log entry (a JSON object)"
+    seq, op, version = obj.get("seq"), obj.get("op"), obj.get("version")
+    scope, space, key = obj.get("scope"), obj.get("space"), obj.get("key")
+    if op not in ("put", "del") or set(obj) != (_PUT_KEYS if op == "put" else _DEL_KEYS):
+        return "not a log entry (op and fields)"
+    if not (_counter(seq, 1) and _counter(version, 1)):
+        return "bad seq or version"
+    if not (isinstance(scope, str) and isinstance(space, str) and isinstance(key, str)):
+        return "scope, space and key must be strings"
+    if op == "del":
+        return LogEntry(seq, op, scope, space, key, version, None, None, None, line, byte)
+    value = obj["value"]
+    ok_due, due = _score_in(obj["due"], v1)
+    ok_exp, expires = _score_in(obj["expires"], v1)
+    if not (ok_due and ok_exp):
+        return "bad due or expires"
+    if not isinstance(value, dict) or (v1 and not _storable(value)):
+        return "the value is not a JSON object"
+    return LogEntry(seq, op, scope, space, key, version, value, due, expires, line, byte)
+
+
+def scan_log(data: bytes, path: str) -> LogScan:
+    """The entries of a log file (version 2, or 1) and the length of its good prefix.
+    Raises ``APPEND_LOG_CORRUPT`` for damage that is not a torn final line."""
+    if data[:1] == b"{":
+        return _scan_log_v1(data, path)
+    payload, pos, reason = _read_frame(data, 0)
+    if payload is None:
+        if reason is not None:
+            _corrupt_log(path, 1, 0, reason)
+        return LogScan([], 0, 0, None)  # a torn header: no entry was ever written after it
+    if data[:pos] != LOG_HEADER:
+        header, reason = _decode(payload, 1)
+        if reason is None:
+            reason = _check_header(header, LOG_FORMAT, path, "the append log", _LOG_KEYS) or "not the log header"
+        _corrupt_log(path, 1, 0, reason)
+    header_end = pos
     entries: list[LogEntry] = []
-    first_bad: tuple[int, int] | None = None  # (line, byte) of the first unreadable line
+    line = 1
+    while pos < len(data):
+        line += 1
+        start = pos
+        payload, pos, reason = _read_frame(data, pos)
+        if payload is None:
+            if reason is not None:
+                _corrupt_log(path, line, start, reason)
+            return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line
+        obj, reason = _decode(payload, MAX_VALUE_DEPTH + 1)
+        entry = _parse_entry(obj, line, start, v1=False) if reason is None else reason
+        if isinstance(entry, str):
+            _corrupt_log(path, line, start, entry)
+        entries.append(entry)
+    return LogScan(entries, len(data), header_end, FORMAT_VERSION)
+
+
+def _scan_log_v1(data: bytes, path: str) -> LogScan:
+    """A version-1 log (bare JSON lines): read for the migration, with the rules of
+    version 2 except the checksums."""
+    entries: list[LogEntry] = []
     pos = 0
     line = 0
     while pos < len(data):
         line += 1
         newline = data.find(b"\n", pos)
-        end = len(data) if newline == -1 else newline
-        obj: Any = None
-        readable = False
-        if newline != -1:  # a line without its newline was never completely written
-            try:
-                obj = json.loads(data[pos:end])
-                readable = True
-            except ValueError:
-                readable = False
-        if not readable:
-            if first_bad is None:
-                first_bad = (line, pos)
-        else:
-            if first_bad is not None:
-                # An unreadable line with a readable one after it is not a torn tail:
-                # cutting there would silently drop the later entries.
-                raise _corrupt_log(path, first_bad[0], first_bad[1], "unreadable line followed by more entries")
-            entry = _parse_entry(obj, line, pos)
-            if entry is None:
-                # Valid JSON that is not an entry: damage, not a crash mid-write.
-                raise _corrupt_log(path, line, pos, "not a valid log entry")
-            entries.append(entry)
-        pos = end + 1
-    return entries, (len(data) if first_bad is None else first_bad[1])
+        if newline == -1:
+            return LogScan(entries, pos, 0, 1)  # torn final line
+        obj, reason = _decode(data[pos:newline], MAX_VALUE_DEPTH + 1, infinity=True)
+        entry = _parse_entry(obj, line, pos, v1=True) if reason is None else reason
+        if isinstance(entry, str):
+            _corrupt_log(path, line, pos, entry)
+        entries.append(entry)
+        pos = newline + 1
+    return LogScan(entries, len(data), 0, 1)
 
 
 def replay(records: Records, log_seq: int, entries: list[LogEntry], path: str) -> int:
     """Apply ``entries`` with ``seq > log_seq`` to ``records`` (a private copy being
-    built at open). Returns the last seq seen. Raises ``APPEND_LOG_CORRUPT`` when an
-    entry does not follow on."""
-    last: int | None = None
+    built at open) and return the last seq. Entries at or before ``log_seq`` are checked
+    against the snapshot, which must hold what they wrote. Raises ``APPEND_LOG_CORRUPT``
+    when an entry does not follow on."""
+    if not entries:
+        return log_seq
+    first, last_entry = entries[0], entries[-1]
+    if first.seq > log_seq + 1:
+        _corrupt_log(
+            path, first.line, first.byte, f"seq {first.seq} but the snapshot ends at log_seq {log_seq}: entries are missing"
+        )
+    if first.seq <= log_seq and last_entry.seq < log_seq:
+        _corrupt_log(
+            path,
+            last_entry.line,
+            last_entry.byte,
+            f"the log ends at seq {last_entry.seq}, before the snapshot's log_seq {log_seq}: entries are missing",
+        )
+    folded: dict[tuple[str, str, str], LogEntry] = {}
+    checked = first.seq > log_seq
+    last = first.seq - 1
     for e in entries:
-        if last is None:
-            if e.seq > log_seq + 1:
-                raise _corrupt_log(
-                    path, e.line, e.byte, f"seq {e.seq} but the snapshot ends at log_seq {log_seq}: entries are missing"
-                )
-        elif e.seq != last + 1:
-            raise _corrupt_log(path, e.line, e.byte, f"seq {e.seq} does not follow seq {last}")
+        if e.seq != last + 1:
+            _corrupt_log(path, e.line, e.byte, f"seq {e.seq} does not follow seq {last}")
         last = e.seq
         if e.seq <= log_seq:
-            continue  # already folded into the snapshot (crash before the log was truncated)
+            # Already folded into the snapshot (a crash between compaction's two steps).
+            folded[(e.scope, e.space, e.key)] = e
+            continue
+        if not checked:
+            _check_folded(records, folded, log_seq, path)
+            checked = True
         space_map = records.setdefault((e.scope, e.space), {})
         current = space_map.get(e.key)
         found = 0 if current is None else current[1]
         if e.op == "put":
             if found != e.version - 1:
-                raise _corrupt_log(
-                    path, e.line, e.byte, f"put of {e.space}/{e.key} version {e.version} over version {found}"
-                )
+                _corrupt_log(path, e.line, e.byte, f"put of {e.space}/{e.key} version {e.version} over version {found}")
             assert e.value is not None
             space_map[e.key] = (e.value, e.version, e.due, e.expires)
         else:
             if current is None or found != e.version:
-                raise _corrupt_log(
-                    path, e.line, e.byte, f"delete of {e.space}/{e.key} version {e.version}, found {found}"
-                )
+                _corrupt_log(path, e.line, e.byte, f"delete of {e.space}/{e.key} version {e.version}, found {found}")
             del space_map[e.key]
-    return log_seq if last is None else max(last, log_seq)
+    if not checked:
+        _check_folded(records, folded, log_seq, path)
+    return max(last, log_seq)
+
+
+def _check_folded(
+    records: Records, folded: dict[tuple[str, str, str], LogEntry], log_seq: int, path: str
+) -> None:
+    """The snapshot must hold what the last folded entry of each key wrote: otherwise
+    ``log_seq`` claims entries the snapshot never received."""
+    for (scope, space, key), e in folded.items():
+        held = records.get((scope, space), {}).get(key)
+        if e.op == "put":
+            good = held is not None and held == (e.value, e.version, e.due, e.expires)
+        else:
+            good = held is None
+        if not good:
+            _corrupt_log(
+                path,
+                e.line,
+                e.byte,
+                f"seq {e.seq} ({e.op} of {space}/{key} version {e.version}) is at or before the snapshot's log_seq "
+                f"{log_seq}, but the snapshot does not hold what it wrote",
+            )

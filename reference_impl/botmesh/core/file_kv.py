@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import os
 import threading
 from typing import Any
 
 from .errors import BackendUnavailableError, ConfigError, JournalLockedError, VersionConflict
 from .file_format import (
+    FORMAT_VERSION,
+    LOG_HEADER,
     Entry,
-    LogEntry,
     Records,
+    encode_value,
     is_int,
     is_score,
     log_line,
@@ -56,12 +59,19 @@ class _SnapshotWriteFailed(Exception):
 
 
 def _score(value: Any, name: str) -> float | None:
-    """A put's index score as stored (a float), or None."""
+    """A put's index score as stored (a float), or None. NaN is refused: it has no place
+    in an order (``range`` would never return it) and the files do not store it."""
     if value is None:
         return None
     if not is_score(value):
         raise TypeError(f"{name} must be a number or None, got {type(value).__name__}")
-    return float(value)
+    try:
+        score = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float: {str(value)[:40]}...") from None
+    if math.isnan(score):
+        raise ValueError(f"{name} must not be NaN")
+    return score
 
 
 def _check_name(value: Any, name: str) -> None:
@@ -102,7 +112,10 @@ class FileKv(DurableKv):
     * ``io`` — the :class:`~botmesh.core.fileio.FileIO` doing the OS calls (faults).
 
     Differences from ``MemoryKv`` only for inputs it would not be able to store:
-    ``scope``/``space``/``key`` must be ``str`` and index scores numbers (``TypeError``).
+    ``scope``/``space``/``key`` must be ``str`` and index scores numbers (``TypeError``);
+    a NaN score, an int score too large for a float, and a value nesting deeper than
+    :data:`~botmesh.core.file_format.MAX_VALUE_DEPTH` (128) levels raise ``ValueError``
+    naming it (the reader refuses such lines as damage, so they are never written).
     Calls before :meth:`open` raise ``BackendUnavailableError``, as the contract says.
     """
 
@@ -281,6 +294,7 @@ class FileKv(DurableKv):
         _check_name(key, "key")
         due_score = _score(due, "due")
         expires_score = _score(expires, "expires")
+        encoded = encode_value(stored, f"{scope}/{space}/{key}")
         async with self._write_lock:
             self._check()
             current = self._records.get((scope, space), {}).get(key)
@@ -291,7 +305,7 @@ class FileKv(DurableKv):
             else:
                 conflict = None
                 entry: Entry = (stored, expected_version + 1, due_score, expires_score)
-                self._commit(scope, space, key, entry, expected_version + 1)
+                self._commit(scope, space, key, entry, expected_version + 1, encoded)
         await asyncio.sleep(0)
         if conflict is not None:
             raise conflict
@@ -346,17 +360,22 @@ class FileKv(DurableKv):
         if self._broken is not None:
             raise BackendUnavailableError(f"{self._path}: {self._broken}; reopen the journal", file=self._path)
 
-    def _commit(self, scope: str, space: str, key: str, entry: Entry | None, version: int) -> None:
-        """Write one change (``entry`` None: delete) to file, then apply it in memory."""
+    def _commit(
+        self, scope: str, space: str, key: str, entry: Entry | None, version: int, encoded: str | None = None
+    ) -> None:
+        """Write one change (``entry`` None: delete; ``encoded`` its value as
+        ``encode_value`` returned it) to file, then apply it in memory."""
         if self._append_log:
-            self._commit_to_log(scope, space, key, entry, version)
+            self._commit_to_log(scope, space, key, entry, version, encoded)
         else:
             self._commit_to_snapshot(scope, space, key, entry)
 
-    def _commit_to_log(self, scope: str, space: str, key: str, entry: Entry | None, version: int) -> None:
+    def _commit_to_log(
+        self, scope: str, space: str, key: str, entry: Entry | None, version: int, encoded: str | None
+    ) -> None:
         assert self._log_fd is not None
         seq = self._seq + 1
-        data = log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry)
+        data = log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded)
         try:
             self._io.append(self._log_fd, data, fsync=self._fsync)
         except OSError as exc:
@@ -423,19 +442,20 @@ class FileKv(DurableKv):
                 raise _SnapshotWriteFailed(exc, landed=True) from exc
 
     def _compact(self) -> None:
-        """Fold the log into the snapshot, then empty the log. The snapshot carries
-        ``log_seq``, so stopping between the two steps loses and repeats nothing."""
+        """Fold the log into the snapshot, then empty the log back to its header. The
+        snapshot carries ``log_seq``, so stopping between the two steps loses and repeats
+        nothing."""
         assert self._log_fd is not None
         try:
             self._write_snapshot(self._records, self._seq)
-            self._io.truncate(self._log_fd, 0, fsync=self._fsync)
+            self._io.truncate(self._log_fd, len(LOG_HEADER), fsync=self._fsync)
         except (_SnapshotWriteFailed, OSError) as exc:
             # The write that got us here is committed in the log; compaction is retried
             # at the next write.
             logger.warning("%s: compaction failed, retrying at the next write: %s", self._path, exc)
             return
         self._log_entries = 0
-        self._log_bytes = 0
+        self._log_bytes = len(LOG_HEADER)
 
     def _fold_and_remove_log(self) -> None:
         """At close: fold the log into the snapshot and delete it (BACK-4)."""
@@ -451,49 +471,65 @@ class FileKv(DurableKv):
     # -- loading ---------------------------------------------------------------------------
     def _load(self) -> None:
         """Read the snapshot and the log, validate everything, and only then touch the
-        files (trim a torn tail, or fold the log) and install the state."""
+        files (trim a torn final line, fold the log, migrate a version-1 journal) and
+        install the state."""
         try:
             snapshot = self._io.read_bytes(self._path)
         except OSError as exc:
             raise BackendUnavailableError(f"{self._path}: cannot read the snapshot: {exc}", file=self._path) from exc
         records: Records
         if snapshot is None:
-            records, log_seq = {}, 0
+            records, log_seq, snapshot_version = {}, 0, FORMAT_VERSION
         else:
-            records, log_seq = parse_snapshot(snapshot, self._path)
+            parsed = parse_snapshot(snapshot, self._path)
+            records, log_seq, snapshot_version = parsed.records, parsed.log_seq, parsed.version
         try:
             log = self._io.read_bytes(self._log_path)
         except OSError as exc:
             raise BackendUnavailableError(f"{self._log_path}: cannot read the log: {exc}", file=self._log_path) from exc
-        entries: list[LogEntry] = []
-        good = 0
         seq = log_seq
+        scan = None
         if log is not None:
-            entries, good = scan_log(log, self._log_path)
-            seq = replay(records, log_seq, entries, self._log_path)
-            if good < len(log):
+            scan = scan_log(log, self._log_path)
+            seq = replay(records, log_seq, scan.entries, self._log_path)
+            if scan.good < len(log):
                 logger.warning(
-                    "%s: cut a torn last entry at byte %d (%d bytes of an unfinished write)",
+                    "%s: cut a torn final line at byte %d (%d bytes of an unfinished write)",
                     self._log_path,
-                    good,
-                    len(log) - good,
+                    scan.good,
+                    len(log) - scan.good,
                 )
+        # A journal of an earlier format is rewritten in the current one (documented in
+        # file_format: "Version 1 ... a migration").
+        migrate = snapshot_version != FORMAT_VERSION or (scan is not None and scan.version == 1)
         # Everything read back: from here on files change.
         try:
+            if migrate:
+                logger.warning(
+                    "%s: journal in format version 1, rewriting it in version %d", self._path, FORMAT_VERSION
+                )
+                self._write_snapshot(records, seq)
             if self._append_log:
-                if entries and entries[-1].seq <= log_seq:
-                    # Every entry is already in the snapshot (a crash between compaction's
-                    # two steps): finish that compaction, so the log holds only the
-                    # entries that follow log_seq.
-                    entries, good = [], 0
-                if log is not None and good < len(log):
-                    self._io.truncate_path(self._log_path, good, fsync=self._fsync)
+                entries = [] if scan is None else scan.entries
+                # keep: how much of the log file stays. Entries all in the snapshot already
+                # (a crash between compaction's two steps, or just migrated): finish that
+                # compaction, so the log holds only entries that follow the snapshot.
+                if migrate or (entries and entries[-1].seq <= log_seq):
+                    entries = []
+                    keep = 0 if scan is None or scan.version != FORMAT_VERSION else scan.header_end
+                else:
+                    keep = 0 if scan is None else scan.good
+                if log is not None and keep < len(log):
+                    self._io.truncate_path(self._log_path, keep, fsync=self._fsync)
                 self._log_fd = self._io.open_append(self._log_path, fsync=self._fsync)
+                if keep == 0:
+                    self._io.append(self._log_fd, LOG_HEADER, fsync=self._fsync)
+                    keep = len(LOG_HEADER)
                 self._log_entries = len(entries)
-                self._log_bytes = good
+                self._log_bytes = keep
             elif log is not None:
                 # A leftover of an append-log run: fold it in, then drop it (BACK-4).
-                if entries:
+                if scan is not None and scan.entries and not migrate:
                     self._write_snapshot(records, seq)
                 self._io.remove(self._log_path)
         except _SnapshotWriteFailed as failed:
