@@ -159,8 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # the engine's warnings (divergent replays, bypassed payloads) are expected inside a
     # crash matrix; a failing cell reports what matters
-    logging.getLogger("botmesh").setLevel(logging.ERROR)
-    return int(args.fn(args))
+    # (restored afterwards: main() is also called in-process, by tests and by users' scripts)
+    logger = logging.getLogger("botmesh")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return int(args.fn(args))
+    finally:
+        logger.setLevel(level)
 
 
 if __name__ == "__main__":

@@ -81,3 +81,17 @@ def test_cli_lists_every_id_by_section() -> None:
 def test_the_docs_refer_to_nothing_outside_the_repository(doc: str) -> None:
     text = (ROOT / doc).read_text(encoding="utf-8")
     assert "shared/" not in text and "../seed" not in text
+
+
+def test_the_cli_called_in_process_leaves_the_botmesh_logger_as_it_found_it() -> None:
+    """``main()`` quiets the engine's warnings for its own run only: a test or script that
+    calls it in-process still sees botmesh's warnings afterwards (a caplog test that ran
+    after the CLI in the same worker used to see none)."""
+    import logging
+
+    from botmesh_testkit.cli import main
+
+    logger = logging.getLogger("botmesh")
+    before = logger.level
+    assert main(["spec", "INB-1"]) == 0
+    assert logger.level == before
