@@ -35,9 +35,12 @@ class ReportingItem(pytest.Item):
 
 
 class MatrixCellItem(ReportingItem):
-    """One crash-matrix cell as a test item."""
+    """One crash-matrix cell as a test item. Its coordinates go to the report as the
+    ``botmesh_cell`` property (``seq``: its place among its backend's cells, so the
+    grid keeps the dry run's order under xdist too), what running it gave as
+    ``botmesh_cell_run`` (:func:`cell_run_record`)."""
 
-    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, **kwargs: Any) -> None:
+    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, seq: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cell = cell
         self.oracle = oracle
@@ -49,6 +52,9 @@ class MatrixCellItem(ReportingItem):
         ids = set(WORKLOADS[cell.workload].spec_ids) | set(spec_ids(cell.point))
         self.add_marker(pytest.mark.spec(*sorted(ids)))
         self.user_properties.append(("botmesh_backend", cell.backend))
+        self.user_properties.append(("botmesh_cell", {
+            "id": cell.id, "workload": cell.workload, "policy": cell.policy,
+            "at": f"{cell.when}:{cell.point}#{cell.nth}", "seq": seq}))
 
     def runtest(self) -> None:
         from ..matrix.run import run_cell
@@ -65,6 +71,7 @@ class MatrixCellItem(ReportingItem):
                     "(--botmesh-cell-timeout). A backend that acknowledges updates without storing them, or "
                     "never settles a record, keeps the recovery loop busy until the budget runs out.\n"
                     f"  reproduce: {self.cell.command(self.seed)}") from None
+        self.user_properties.append(("botmesh_cell_run", cell_run_record(self.outcome)))
         if self.outcome.recovery_lines is not None or self.outcome.recovery_note is not None:
             from ..matrix.coverage import record_of
 
@@ -77,14 +84,33 @@ class MatrixCellItem(ReportingItem):
         return "botmesh-matrix", 0, f"crash cell {self.cell.id}"
 
 
-class BrokenDryRunItem(ReportingItem):
-    """Stands for the cells of a workload whose crash-free dry run failed."""
+def cell_run_record(outcome: Outcome) -> dict[str, Any]:
+    """What running a cell gave, for the report's grid, kept small: the history as
+    :func:`~botmesh_testkit.matrix.cells.compress` writes it, empty lists left out."""
+    from ..matrix.cells import compress
 
-    def __init__(self, *, backend: str, message: str, **kwargs: Any) -> None:
+    record: dict[str, Any] = {"crash": outcome.crash_point, "history": compress(outcome.history),
+                              "deliveries": [list(d) for d in outcome.deliveries],
+                              "seconds": round(outcome.seconds, 3)}
+    if outcome.violations:
+        record["violations"] = [str(v) for v in outcome.violations]
+    if outcome.ambiguous:
+        record["ambiguous"] = list(outcome.ambiguous)
+    return record
+
+
+class BrokenDryRunItem(ReportingItem):
+    """Stands for the cells of a workload whose crash-free dry run failed (in the
+    report's grid: one cell across the workload's row)."""
+
+    def __init__(self, *, backend: str, workload: str, message: str, reproduce: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.message = message
+        self.reproduce = reproduce
         self.add_marker(pytest.mark.spec("TEST-4"))
         self.user_properties.append(("botmesh_backend", backend))
+        self.user_properties.append(("botmesh_cell", {"id": f"{backend}/{workload}/dry-run", "workload": workload,
+                                                      "policy": "*", "at": "dry-run", "seq": -1}))
 
     def runtest(self) -> None:
         raise CellFailed(self.message)
@@ -268,11 +294,11 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
             reason = ("did not finish within the cell budget (--botmesh-cell-timeout)"
                       if isinstance(exc, TimeoutError) else f"raised {exc!r}")
             name = f"botmesh-matrix::{backend}/{workload}/dry-run"
+            rerun = f"botmesh-testkit run --backend {shlex.quote(backend)} --seed {seed} --parts matrix"
             items.append(BrokenDryRunItem.from_parent(
-                session, name=name, nodeid=name, backend=backend,
+                session, name=name, nodeid=name, backend=backend, workload=workload, reproduce=rerun,
                 message=f"the crash-free dry run of workload {workload!r} on {backend} {reason}; its crash cells "
-                        f"cannot be drawn. Reproduce: botmesh-testkit run --backend {shlex.quote(backend)} "
-                        f"--seed {seed} --parts matrix"))
+                        f"cannot be drawn. Reproduce: {rerun}"))
             continue
         cells = draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
         if only is not None:
@@ -280,7 +306,7 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
         for cell in cells:
             items.append(MatrixCellItem.from_parent(session, name=f"botmesh-matrix::{cell.id}",
                                                     nodeid=f"botmesh-matrix::{cell.id}", cell=cell, oracle=truth,
-                                                    seed=seed))
+                                                    seed=seed, seq=len(items)))
     return items
 
 
@@ -389,6 +415,8 @@ def reproduce_command(item: pytest.Item, base: str, config: pytest.Config) -> st
     cell = getattr(item, "cell", None)
     if part == "matrix" and cell is not None:
         return str(cell.command(int(getattr(item, "seed", 0))))
+    if part == "matrix" and isinstance(item, BrokenDryRunItem):
+        return item.reproduce
     if part == "scenarios":
         rerun = getattr(item.parent, "rerun", None)
         return f"{rerun} -k {shlex.quote(item.name)}" if rerun else None

@@ -34,6 +34,9 @@ class BotmeshSession:
         self.failures: list[dict[str, Any]] = []
         """Every failed item: backend, part, item (node id), outcome, violated ids, message, reproduce."""
         self.kill_reports: list[tuple[str, list[str]]] = []
+        self.cells: list[tuple[str, dict[str, Any]]] = []
+        """``(backend, record)`` of each crash-matrix item run: its coordinates, outcome,
+        reproduce command and what running it gave (the report's grid)."""
         self.recovery: dict[str, RecoveryCoverage] = {}
         self.skip_reasons: list[tuple[str, str, str]] = []
         """``(backend, part, reason)`` of each skipped item."""
@@ -117,6 +120,11 @@ class BotmeshSession:
                 "spec": list(spec), "violated": list(violated), "message": failure_message(report),
                 "reproduce": props.get("botmesh_reproduce"),
             })
+        if "botmesh_cell" in props:
+            cell: dict[str, Any] = {**props["botmesh_cell"], "outcome": outcome, **props.get("botmesh_cell_run", {})}
+            if props.get("botmesh_reproduce"):
+                cell["reproduce"] = props["botmesh_reproduce"]
+            self.cells.append((str(backend), cell))
         if "botmesh_recovery" in props:
             from ..matrix.coverage import RecoveryCoverage
 
