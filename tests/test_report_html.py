@@ -224,6 +224,83 @@ def test_the_html_report_draws_the_crash_grid_in_chromium(pytester: pytest.Pytes
         assert seen.get(_colour(text, name), 0) >= 500, f"the --{name} colour of the grid is not on screen"
 
 
+HANGS = '''
+import asyncio
+
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+
+_S = {}
+
+
+class Hangs(KvDurability):
+    """Never answers a recovery claim: a crash cell runs out of its time."""
+
+    async def inbox_claim(self, scope, id, **kwargs):
+        if kwargs["recover"]:
+            await asyncio.Event().wait()
+        return await super().inbox_claim(scope, id, **kwargs)
+
+
+class HangsAlways(Hangs):
+    """Never acknowledges a send: even the crash-free dry run cannot finish."""
+
+    async def outbox_mark_sent(self, scope, key, **kwargs):
+        await asyncio.Event().wait()
+
+
+def make(workdir):
+    return Hangs(_S.setdefault(workdir, MemoryKv()), own_kv=False)
+
+
+def always(workdir):
+    return HangsAlways(_S.setdefault(workdir, MemoryKv()), own_kv=False)
+'''
+
+
+@pytest.mark.spec("TEST-4")
+def test_cells_without_a_run_record_are_in_the_grid(pytester: pytest.Pytester) -> None:
+    """A cell that ran out of its budget and a workload whose dry run failed have no
+    history: they are still cells of the report (failed, with their message and
+    reproduce command), and the JSON renders as HTML as it is."""
+    pytester.makepyfile(hangs=HANGS)
+    pytester.makefile(".toml", onework=ONE_WORKLOAD)
+    cell = "hangs:make/one-send/skip/after:inbox.journal#1"
+    timed = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=hangs:make", "--botmesh-parts=matrix",
+                                          "--botmesh-seed=1", f"--botmesh-cell={cell}", "--botmesh-cell-timeout=1",
+                                          "--botmesh-report=timed.json")
+    dry = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=hangs:always", "--botmesh-parts=matrix",
+                                        "--botmesh-seed=1", "--botmesh-cell-timeout=1", "--botmesh-matrix=onework.toml",
+                                        "--botmesh-report=dry.json")
+    assert timed.ret == dry.ret == pytest.ExitCode.TESTS_FAILED
+    records = []
+    for name, backend in (("timed.json", "hangs:make"), ("dry.json", "hangs:always")):
+        report = json.loads((pytester.path / name).read_text(encoding="utf-8"))
+        (entry,) = report["backends"]
+        (record,) = entry["matrix_cells"]
+        assert record["outcome"] == "failed" and "history" not in record
+        page = render_html(report)
+        dom = _Dom(page)
+        (button,) = dom.find("button", "cell")
+        assert "failed" in button["class"].split()
+        embedded = re.search(r'<script type="application/json" id="botmesh-cells">(.*?)</script>', page, re.S)
+        assert embedded is not None
+        (data,) = json.loads(embedded.group(1))
+        assert data["backend"] == backend and data["message"] == entry["failed_items"][0]["message"]
+        records.append((record, button))
+    (timed_record, _), (dry_record, dry_button) = records
+    assert timed_record["id"] == cell and "real-time budget of 1 s" in _message(pytester, "timed.json")
+    assert timed_record["reproduce"] == f"botmesh-testkit run --backend hangs:make --seed 1 --cell '{cell}'"
+    assert dry_record["id"] == "hangs:always/one-send/dry-run" and dry_record["at"] == "dry-run"
+    assert dry_record["reproduce"] == "botmesh-testkit run --backend hangs:always --seed 1 --parts matrix"
+    assert "wide" in dry_button["class"].split()
+
+
+def _message(pytester: pytest.Pytester, name: str) -> str:
+    report = json.loads((pytester.path / name).read_text(encoding="utf-8"))
+    return str(report["backends"][0]["failed_items"][0]["message"])
+
+
 @pytest.mark.spec("TEST-4", "BACK-7")
 def test_the_cli_writes_the_html_report(pytester: pytest.Pytester) -> None:
     """``botmesh-testkit run --report report.html`` (no browser needed: the page's own
