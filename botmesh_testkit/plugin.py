@@ -294,6 +294,11 @@ def _param_backend(item: pytest.Item) -> str | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
+    cell_record = getattr(item, "cell_record", None)
+    if callable(cell_record) and (report.when == "call" or report.outcome != "passed"):
+        # the report's grid (an attribute, not a user property: it stays out of JUnit files,
+        # and pytest-xdist carries a report's attributes to the controller as they are)
+        report.__dict__["botmesh_cell"] = cell_record()
     outcome = getattr(item, "outcome", None)
     if outcome is not None and getattr(item, "cell", None) is not None and not outcome.passed:
         ids = sorted({i for v in outcome.violations for i in v.ids})

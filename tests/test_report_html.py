@@ -309,7 +309,8 @@ def test_the_cli_writes_the_html_report(pytester: pytest.Pytester) -> None:
 
     pytester.makefile(".toml", onework=ONE_WORKLOAD)
     result = pytester.run(sys.executable, "-m", "botmesh_testkit.cli", "run", "--backend", "memory", "--parts", "matrix",
-                          "--matrix", str(pytester.path / "onework.toml"), "--seed", "8", "--report", "cli.html")
+                          "--matrix", str(pytester.path / "onework.toml"), "--seed", "8", "--report", "cli.html",
+                          "--junitxml", "junit.xml")
     assert result.ret == 0, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines([f"botmesh report written to {pytester.path / 'cli.html'}"])
     page = (pytester.path / "cli.html").read_text(encoding="utf-8")
@@ -319,6 +320,13 @@ def test_the_cli_writes_the_html_report(pytester: pytest.Pytester) -> None:
     assert len(cells) == collected_parts(result.stdout.str())["matrix"] == result.parseoutcomes()["passed"]
     assert all("passed" in c["class"].split() for c in cells)
     assert "partial" in dom.title and "run --backend memory --parts matrix" in page
+    # what the grid needs travels beside the JUnit properties, not in them (one short line each there)
+    import xml.etree.ElementTree as ET
+
+    cases = list(ET.parse(pytester.path / "junit.xml").iter("testcase"))
+    assert len(cases) == len(cells)
+    names = {p.get("name") for case in cases for p in case.iter("property")}
+    assert "botmesh_reproduce" in names and not {n for n in names if n and n.startswith("botmesh_cell")}
 
 
 EVIL = "<img src=x onerror=alert(1)>"

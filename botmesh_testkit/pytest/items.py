@@ -35,10 +35,8 @@ class ReportingItem(pytest.Item):
 
 
 class MatrixCellItem(ReportingItem):
-    """One crash-matrix cell as a test item. Its coordinates go to the report as the
-    ``botmesh_cell`` property (``seq``: its place among its backend's cells, so the
-    grid keeps the dry run's order under xdist too), what running it gave as
-    ``botmesh_cell_run`` (:func:`cell_run_record`)."""
+    """One crash-matrix cell as a test item. What the report's grid shows of it is
+    :meth:`cell_record`, attached to its test report by the plugin."""
 
     def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, seq: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -51,10 +49,19 @@ class MatrixCellItem(ReportingItem):
 
         ids = set(WORKLOADS[cell.workload].spec_ids) | set(spec_ids(cell.point))
         self.add_marker(pytest.mark.spec(*sorted(ids)))
+        self.seq = seq
         self.user_properties.append(("botmesh_backend", cell.backend))
-        self.user_properties.append(("botmesh_cell", {
-            "id": cell.id, "workload": cell.workload, "policy": cell.policy,
-            "at": f"{cell.when}:{cell.point}#{cell.nth}", "seq": seq}))
+
+    def cell_record(self) -> dict[str, Any]:
+        """The cell for the report: its coordinates (``seq``: its place among its
+        backend's cells, so the grid keeps the dry run's order under xdist too) and,
+        once it ran, what running it gave (:func:`cell_run_record`)."""
+        cell = self.cell
+        record: dict[str, Any] = {"id": cell.id, "workload": cell.workload, "policy": cell.policy,
+                                  "at": f"{cell.when}:{cell.point}#{cell.nth}", "seq": self.seq}
+        if self.outcome is not None:
+            record.update(cell_run_record(self.outcome))
+        return record
 
     def runtest(self) -> None:
         from ..matrix.run import run_cell
@@ -71,7 +78,6 @@ class MatrixCellItem(ReportingItem):
                     "(--botmesh-cell-timeout). A backend that acknowledges updates without storing them, or "
                     "never settles a record, keeps the recovery loop busy until the budget runs out.\n"
                     f"  reproduce: {self.cell.command(self.seed)}") from None
-        self.user_properties.append(("botmesh_cell_run", cell_run_record(self.outcome)))
         if self.outcome.recovery_lines is not None or self.outcome.recovery_note is not None:
             from ..matrix.coverage import record_of
 
@@ -108,9 +114,14 @@ class BrokenDryRunItem(ReportingItem):
         self.message = message
         self.reproduce = reproduce
         self.add_marker(pytest.mark.spec("TEST-4"))
+        self.backend = backend
+        self.workload = workload
         self.user_properties.append(("botmesh_backend", backend))
-        self.user_properties.append(("botmesh_cell", {"id": f"{backend}/{workload}/dry-run", "workload": workload,
-                                                      "policy": "*", "at": "dry-run", "seq": -1}))
+
+    def cell_record(self) -> dict[str, Any]:
+        """The workload's row of the report's grid: one failed cell, before its others."""
+        return {"id": f"{self.backend}/{self.workload}/dry-run", "workload": self.workload, "policy": "*",
+                "at": "dry-run", "seq": -1}
 
     def runtest(self) -> None:
         raise CellFailed(self.message)

@@ -120,8 +120,9 @@ class BotmeshSession:
                 "spec": list(spec), "violated": list(violated), "message": failure_message(report),
                 "reproduce": props.get("botmesh_reproduce"),
             })
-        if "botmesh_cell" in props:
-            cell: dict[str, Any] = {**props["botmesh_cell"], "outcome": outcome, **props.get("botmesh_cell_run", {})}
+        record = getattr(report, "botmesh_cell", None)  # a matrix item's (set by the plugin; crosses xdist)
+        if isinstance(record, dict):
+            cell: dict[str, Any] = {**record, "outcome": outcome}
             if props.get("botmesh_reproduce"):
                 cell["reproduce"] = props["botmesh_reproduce"]
             self.cells.append((str(backend), cell))
