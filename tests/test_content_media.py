@@ -767,3 +767,165 @@ async def test_media_refs_off_journals_the_raw_token(harness: Any) -> None:
     assert _find_ref(record.event) is None
     assert seen == [(False, ("bytes", JPEG), JPEG), (True, ("bytes", JPEG), JPEG)]
     await world.close()
+
+
+# -- issue 12: a bad stored media reference never costs the message (MEDIA-3, MEDIA-5) -----------
+
+
+async def _set_journaled_media(world: World, id: str, value: Any) -> None:
+    """Overwrite what the inbox record ``id`` journaled as its media (``event["media"]``)
+    in storage: a record written before the feature, or one tampered with."""
+    assert world.crashable is not None and world.bot is not None and world.bot.durability is not None
+    kv = world.crashable.inner.kv  # type: ignore[attr-defined]
+    scope = world.bot.durability.scope
+    found = await kv.get(scope, "inbox", id)
+    assert found is not None and found.value["event"]["media"] is not None
+    changed = json.loads(json.dumps(found.value))
+    changed["event"]["media"] = value
+    await kv.put(scope, "inbox", id, changed, expected_version=found.version,
+                 due=found.value.get("lease_until"), expires=None)
+
+
+async def _settled_once_replayed(world: World) -> None:
+    """The replayed message was processed in one execution: done, one reply (answered
+    from the outbox on the replay), no ``error`` event, nothing dead."""
+    assert world.bot is not None and world.bot.durability is not None
+    (record,) = await world.bot.durability.inbox.list()
+    assert (record.state, record.attempts, record.error) == ("done", 2, None)
+    assert world.named("error") == [] and world.named("durability:dead") == []
+    assert world.channel.texts() == ["processed"]
+
+
+@pytest.mark.spec("MEDIA-5", "MEDIA-3")
+@pytest.mark.parametrize("token", ["file-id-123", "strawberry-raw", 42, ["a", "b"]],
+                         ids=["str", "str-containing-raw", "int", "list"])
+async def test_a_pre_feature_bare_token_replays_as_before(harness: Any, token: Any) -> None:
+    """MEDIA-5 (issue 12): a record written before the feature journaled the bare token.
+    Its replay hands the token to the provider as it is (as before): the message is
+    processed; the mock channel cannot download such a token, so only the download fails
+    (``rehydrate-failed``, None without ``throw_on_error``). Before the fix the replay
+    raised TypeError/AttributeError, and the message was retried and dead-lettered."""
+    seen: list[tuple[Any, ...]] = []
+    world = World(harness, setup=media_setup(seen))
+    world.channel.media_bytes[URL] = JPEG
+    asked: list[Any] = []
+    download = world.channel.download_media
+
+    async def recording(ref: Any) -> bytes:
+        asked.append(ref)
+        return await download(ref)
+
+    world.channel.download_media = recording  # type: ignore[method-assign]
+    await _crash_and_replay(world, {"url": URL}, lambda: _set_journaled_media(world, "m1", token))
+    assert seen[1:] == [(True, ("unavailable", "rehydrate-failed"), None)]
+    assert asked[-2:] == [token, token]  # the replay asked the provider with the bare token, both ways
+    await _settled_once_replayed(world)
+    await world.close()
+
+
+@pytest.mark.spec("MEDIA-5")
+async def test_a_pre_feature_token_that_is_an_object_replays_as_before(harness: Any) -> None:
+    """MEDIA-5: a pre-feature token that is an object (not one of the inbox's envelopes)
+    is handed back as it is, so a channel that still serves it downloads the bytes."""
+    seen: list[tuple[Any, ...]] = []
+    world = World(harness, setup=media_setup(seen))
+    world.channel.media_bytes[URL] = JPEG
+    await _crash_and_replay(world, {"url": URL}, lambda: _set_journaled_media(world, "m1", {"url": URL}))
+    assert seen[1:] == [(True, ("bytes", JPEG), JPEG)]
+    await _settled_once_replayed(world)
+    await world.close()
+
+
+@pytest.mark.spec("MEDIA-3", "MEDIA-4")
+@pytest.mark.parametrize("data", ["https://media.mock.test/a.jpg", ["x"], 7, None])
+async def test_a_stored_reference_whose_data_is_not_an_object_fails_rehydration(harness: Any, data: Any) -> None:
+    """MEDIA-3 (issue 12): a journaled reference whose ``data`` is not an object is
+    invalid: ``rehydrate-failed``, the message processed in one execution."""
+    seen: list[tuple[Any, ...]] = []
+    world = World(harness, setup=media_setup(seen))
+    world.channel.media_bytes[URL] = JPEG
+    bad = {"durable": {"provider": "mock", "v": 1, "data": data}}
+    await _crash_and_replay(world, {"url": URL}, lambda: _set_journaled_media(world, "m1", bad))
+    assert seen[1:] == [(True, ("unavailable", "rehydrate-failed"), None)]
+    await _settled_once_replayed(world)
+    await world.close()
+
+
+@pytest.mark.spec("MEDIA-3")
+@pytest.mark.parametrize("bad", [{"durable": "not an object"}, {"durable": None}, {"durable": [1, 2]}])
+async def test_a_malformed_envelope_fails_rehydration(harness: Any, bad: Any) -> None:
+    """MEDIA-3: the inbox's ``durable`` envelope holding something other than an object
+    is ``rehydrate-failed``; the message is processed."""
+    seen: list[tuple[Any, ...]] = []
+    world = World(harness, setup=media_setup(seen))
+    world.channel.media_bytes[URL] = JPEG
+    await _crash_and_replay(world, {"url": URL}, lambda: _set_journaled_media(world, "m1", bad))
+    assert seen[1:] == [(True, ("unavailable", "rehydrate-failed"), None)]
+    await _settled_once_replayed(world)
+    await world.close()
+
+
+@pytest.mark.spec("MEDIA-3", "MEDIA-2")
+@pytest.mark.parametrize("error", [TypeError("bad operand"), AttributeError("'str' object has no attribute 'get'"),
+                                   KeyError("url")], ids=lambda e: type(e).__name__)
+async def test_a_provider_whose_rehydration_breaks_its_contract_costs_only_the_download(
+        harness: Any, error: Exception) -> None:
+    """MEDIA-3: ``rehydrate_media_ref`` must raise a ``ProviderError`` for an invalid
+    reference; one that raises anything else still costs only the download
+    (``rehydrate-failed``), never the message."""
+    seen: list[tuple[Any, ...]] = []
+    world = World(harness, setup=media_setup(seen))
+    world.channel.media_bytes[URL] = JPEG
+
+    def broken(stored: dict[str, Any], ref: Any) -> Any:
+        raise error
+
+    async def break_it() -> None:
+        world.channel.rehydrate_media_ref = broken  # type: ignore[method-assign,assignment]
+
+    await _crash_and_replay(world, {"url": URL}, break_it)
+    assert seen[1:] == [(True, ("unavailable", "rehydrate-failed"), None)]
+    await _settled_once_replayed(world)
+    await world.close()
+
+
+@pytest.mark.spec("MEDIA-3")
+@pytest.mark.parametrize("replayed", [False, True], ids=["live", "replayed"])
+@pytest.mark.parametrize("error", [OSError("connection reset"), RuntimeError("boom"), ValueError("bad ref")],
+                         ids=lambda e: type(e).__name__)
+async def test_any_failed_download_resolves_none_or_raises_media_unavailable(
+        harness: Any, replayed: bool, error: Exception) -> None:
+    """MEDIA-3 (issue 12): ``load_media_of`` without ``throw_on_error`` resolves None
+    for any failed download — not only a ``ProviderError`` — and with it raises
+    ``MediaUnavailableError`` (``rehydrate-failed``, the provider's error as its cause).
+    The message is processed either way."""
+    causes: list[BaseException | None] = []
+    seen: list[tuple[Any, ...]] = []
+
+    def setup(bot: Bot) -> None:
+        @bot.otherwise
+        async def handler(ctx: Any) -> None:
+            try:
+                strict: Any = ("bytes", await load_media_of(ctx, throw_on_error=True))
+            except MediaUnavailableError as exc:
+                strict = ("unavailable", exc.reason)
+                causes.append(exc.__cause__)
+            seen.append((ctx.replayed, strict, await load_media_of(ctx)))
+            await ctx.reply("processed")
+
+    world = World(harness, setup=setup)
+
+    async def failing(ref: Any) -> bytes:
+        raise error
+
+    world.channel.download_media = failing  # type: ignore[method-assign]
+    if replayed:
+        await _crash_and_replay(world, {"url": URL})
+        await _settled_once_replayed(world)
+    else:
+        await world.start()
+        await world.receive("c1", "", id="m1", media={"url": URL})
+        assert world.named("error") == []
+    assert seen[-1] == (replayed, ("unavailable", "rehydrate-failed"), None)
+    assert causes[-1] is error
+    await world.close()

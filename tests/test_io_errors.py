@@ -122,3 +122,81 @@ def test_an_engine_whose_deliver_raises_on_an_io_error_is_caught(pytester: pytes
     result.stdout.fnmatch_lines(["*I/O-error loop on sqlite: FAILED*", "*operation #* failing with EIO:*",
                                  "*violated [[]INB-8, INB-2[]] operation #* failing made Provider.deliver raise *",
                                  "*rerun: pytest --botmesh-backend=sqlite*io-errors*"])
+
+
+SWALLOWING = '''
+"""Planted: file journals that catch the OSError of a failed write and report success."""
+import os
+
+from botmesh.core.file_backend import FileKv
+from botmesh.core.fileio import FileIO
+
+
+class FsyncErrorsIgnored(FileIO):
+    """Writes, then fsyncs; an fsync that fails is taken for done (the "fsyncgate" bug)."""
+
+    def append(self, fd, data, *, fsync):
+        self._write_all(fd, data)
+        if fsync:
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+
+
+class WriteErrorsIgnored(FileIO):
+    """Every write primitive that fails is taken for done."""
+
+    def _quietly(self, name, *args, **kwargs):
+        try:
+            getattr(super(), name)(*args, **kwargs)
+        except OSError:
+            pass
+
+    def write_file(self, path, data, *, fsync):
+        self._quietly("write_file", path, data, fsync=fsync)
+
+    def replace(self, src, dst):
+        self._quietly("replace", src, dst)
+
+    def fsync_dir(self, directory):
+        self._quietly("fsync_dir", directory)
+
+
+def fsync_errors_ignored(workdir):
+    return FileKv(os.path.join(workdir, "journal.json"), append_log=True, io=FsyncErrorsIgnored())
+
+
+def write_errors_ignored(workdir):
+    return FileKv(os.path.join(workdir, "journal.json"), io=WriteErrorsIgnored())
+'''
+
+
+@pytest.mark.spec("INB-8", "INB-1", "GUAR-1", "GUAR-2")
+def test_a_journal_that_swallows_a_failed_write_or_fsync_is_caught(pytester: pytest.Pytester) -> None:
+    """A kv that catches the ``OSError`` and reports the write done: the engine
+    dispatches as if it were durable, and the power cut that follows each run of the loop
+    shows what it lost — a log whose failed fsync left a hole no longer opens, a snapshot
+    whose failed rewrite was taken for done comes back older than acknowledged. (Without
+    the cut the page cache hides the first: the loop passed it before it cut.)"""
+    require_fuse()
+    pytester.makefile(".toml", io=PROFILE)
+    pytester.makepyfile(swallowing=SWALLOWING)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=swallowing:fsync_errors_ignored",
+                                           "--botmesh-backend=swallowing:write_errors_ignored",
+                                           "--botmesh-parts=powercuts", "--botmesh-matrix=io.toml", "--botmesh-seed=2",
+                                           "--botmesh-require-powercuts")
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-4000:]
+    result.stdout.fnmatch_lines([
+        "*I/O-error loop on swallowing:fsync_errors_ignored: FAILED*",
+        "*violated [[]INB-3, GUAR-1, INB-8[]] after a power cut right after operation #* failed, the backend no longer "
+        "opens on what it had made durable: JournalCorruptError(*journal.json.log: damaged append-log entry*",
+    ])
+    result.stdout.fnmatch_lines([
+        "*I/O-error loop on swallowing:write_errors_ignored: FAILED*",
+        "*violated [[]INB-1, GUAR-1, GUAR-2, INB-8[]] a power cut right after operation #* failed: 1 acknowledged "
+        "inbound record(s) not as acknowledged: 'm1' changed: *state 'done' -> 'leased'*",
+    ])
+    assert out.count("INB-8 in 1 item(s)") == 2 and out.count("verdict: not certified") == 2, out[-3000:]
+

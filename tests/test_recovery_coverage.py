@@ -102,7 +102,7 @@ async def test_an_ambiguous_send_exercises_the_ambiguity_resolution(untraced: No
 
     journaled = await _cell(Cell("memory", "one-send", "skip", "after", "inbox.journal", 1), truth)
     assert journaled.recovery_lines is not None and not journaled.recovery_lines & ambiguous
-    assert _line_of("sweep", "self._count(\"inbound_replayed\")") in journaled.recovery_lines
+    assert _line_of("_replay_due", "self._count(\"inbound_replayed\")") in journaled.recovery_lines
 
 
 @spec("TEST-4")

@@ -1049,3 +1049,120 @@ def test_acknowledged_writes_survive_a_killed_process(db: Path, procs: list[subp
 
     run(check)
 
+
+
+# ----------------------------------------------------------------------------------------
+# LEASE-3: two live processes on one file with the default instance_id (issue 12)
+# ----------------------------------------------------------------------------------------
+
+BOT_WORKER = r"""
+import asyncio, json, sys
+from botmesh.core import Bot, InboundEvent, VirtualClock
+from botmesh.core.testing import MockProvider
+from botmesh.sqlite_store import SQLiteStore
+
+role, file = sys.argv[1], sys.argv[2]
+
+
+async def main():
+    # Both processes read the same virtual time: a lease is only expired if someone
+    # moves a clock, and nobody does.
+    clock = VirtualClock()
+    store = SQLiteStore(file=file)
+    bot = Bot(MockProvider(), store, {"backend": store.durability()}, bot_id="b", connection_id="c", clock=clock)
+    runs = []
+
+    @bot.otherwise
+    async def handler(ctx):
+        runs.append(ctx.event.id)
+        if role == "first":
+            print("running", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # held until the test lets it finish
+        await ctx.reply(f"{role}:{ctx.text}")
+
+    await bot.start()
+    await clock.settle()  # the first sweep pass (the recovery pass of LEASE-4) is over
+    if role == "first":
+        await bot.provider.deliver(InboundEvent(id="m1", chat_id="c1", text="hi"))
+    d = bot.durability
+    record = await d.inbox.get("m1")
+    print("result " + json.dumps({
+        "instance_id": d.instance_id, "runs": runs, "texts": bot.provider.texts(),
+        "stale_leases": d.metrics()["stale_leases"], "inbound_replayed": d.metrics()["inbound_replayed"],
+        "m1": None if record is None else [record.state, record.owner, record.token],
+    }), flush=True)
+    await bot.stop()
+    await store.close()
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.spec("LEASE-3", "LEASE-5", "REPL-1", "REPL-4")
+def test_two_processes_with_the_default_instance_id_never_take_each_others_leases(
+        db: Path, procs: list[subprocess.Popen[str]]) -> None:
+    """LEASE-3 (issue 12): SQLite serves the processes of one host, so two bots on one
+    file with the default ``instance_id`` are two real processes with the same
+    ``<hostname>/<bot_id>/<connection_id>``. The first is inside a handler when the
+    second starts: the second's recovery pass must not take the first's lease for a dead
+    incarnation's (that ran the handler twice and counted a stale lease). The default id
+    gets a per-boot suffix on SQLite as on the shared backends: two distinct owners, one
+    run of the handler, its completion accepted."""
+    import socket
+
+    def spawn(role: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", BOT_WORKER, role, str(db)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_worker_env())
+        procs.append(proc)
+        return proc
+
+    def result(proc: subprocess.Popen[str], out: str, err: str) -> dict[str, Any]:
+        lines = [line for line in out.splitlines() if line.startswith("result ")]
+        assert proc.returncode == 0 and lines, f"worker exited {proc.returncode}:\n{out}\n{err}"
+        return dict(json.loads(lines[-1][len("result "):]))
+
+    first = spawn("first")
+    assert first.stdout is not None and first.stdin is not None
+    line = first.stdout.readline()
+    if line.strip() != "running":
+        out, err = first.communicate(timeout=WORKER_TIMEOUT_S)
+        pytest.fail(f"the first process never reached its handler: {line!r}\n{out}\n{err}")
+    second = spawn("second")  # starts, runs its first sweep pass and stops, the first still in its handler
+    second_result = result(second, *second.communicate(timeout=WORKER_TIMEOUT_S))
+    first.stdin.write("go\n")
+    first.stdin.flush()
+    first_result = result(first, *first.communicate(timeout=WORKER_TIMEOUT_S))
+
+    assert second_result["runs"] == [] and second_result["inbound_replayed"] == 0, (first_result, second_result)
+    assert first_result["runs"] == ["m1"] and first_result["stale_leases"] == 0, first_result
+    assert first_result["texts"] == ["first:hi"] and second_result["texts"] == []
+    base = f"{socket.gethostname()}/b/c/"
+    ids = [first_result["instance_id"], second_result["instance_id"]]
+    assert all(i.startswith(base) and len(i) > len(base) for i in ids) and ids[0] != ids[1], ids
+    assert first_result["m1"] == ["done", ids[0], 1]
+
+
+@pytest.mark.spec("LEASE-3")
+def test_default_instance_id_gets_a_per_boot_suffix_an_explicit_one_is_kept(db: Path) -> None:
+    """LEASE-3: on SQLite the default ``instance_id`` is
+    ``<hostname>/<bot_id>/<connection_id>/<8 hex digits>``, new for every bot; an explicit
+    one is used as given."""
+    import re
+    import socket
+
+    from botmesh.core import Bot
+    from botmesh.core.testing import MockProvider
+
+    def bot(**options: Any) -> Bot:
+        store = SQLiteStore(file=db)
+        return Bot(MockProvider(), store, {"backend": store.durability(), **options}, bot_id="b", connection_id="c")
+
+    a, b = bot(), bot()
+    assert a.durability is not None and b.durability is not None
+    pattern = re.escape(f"{socket.gethostname()}/b/c/") + r"[0-9a-f]{8}"
+    assert re.fullmatch(pattern, a.durability.instance_id), a.durability.instance_id
+    assert re.fullmatch(pattern, b.durability.instance_id), b.durability.instance_id
+    assert a.durability.instance_id != b.durability.instance_id
+    explicit = bot(instance_id="bot-1")
+    assert explicit.durability is not None and explicit.durability.instance_id == "bot-1"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from botmesh.core.backend import DurabilityBackend
+from botmesh.core.fileio import FileIO
 from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import Store
 
@@ -167,6 +168,17 @@ class BackendHarness(ABC):
         ``DurableKv``: a zero-argument callable giving a new, unopened kv on this
         harness's storage (what the ``DurableKv`` conformance suite needs); else None."""
         return None
+
+    def use_file_io(self, io: FileIO) -> bool:
+        """Do every file-system call of this harness's storage through ``io`` (a
+        :class:`botmesh.core.fileio.FileIO`) from the next :meth:`open` on, and say so
+        (True); False, the default, when the backend does not do its file I/O through
+        ``botmesh.core.fileio``. The crash matrix hands the file backends a recording
+        ``FileIO`` here (``botmesh_testkit.crash.fs.PowerCutIO``) so that a cell can also
+        reopen the crash states a power cut at its crash point could leave
+        (:mod:`botmesh_testkit.matrix.powercut_states`). A harness of one's own built on
+        ``FileKv``/``FileDurability`` passes ``io`` on to it to get those states too."""
+        return False
 
 
 HarnessFactory = Callable[[str | None], BackendHarness]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from botmesh.core.backend import DurabilityBackend
+from botmesh.core.fileio import FileIO
 from botmesh.core.spi import Capabilities, DurableKv
 from botmesh.core.store import MemoryStore, Store
 
@@ -24,6 +25,9 @@ class FileHarness(BackendHarness):
         self.name = "file+log" if append_log else "file"
         self.path = os.path.join(self.workdir, "journal.json")
         self.backend: Any = None
+        self.io: FileIO | None = None
+        """The :class:`~botmesh.core.fileio.FileIO` the journal is opened with (None: the
+        real file system, ``botmesh.core.fileio.default_io``)."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -33,7 +37,7 @@ class FileHarness(BackendHarness):
     async def _open(self) -> Any:
         from botmesh.core.file_backend import FileDurability
 
-        return await FileDurability.open(self.path, append_log=self.append_log, fsync=self.fsync)
+        return await FileDurability.open(self.path, append_log=self.append_log, fsync=self.fsync, io=self.io)
 
     async def open(self) -> tuple[DurabilityBackend, Store]:
         self.backend = await self._open()
@@ -49,6 +53,12 @@ class FileHarness(BackendHarness):
         if self.backend is not None:
             await self.backend.close()
             self.backend = None
+
+    def use_file_io(self, io: FileIO) -> bool:
+        """``FileDurability`` does all its file I/O through ``io`` (see
+        :meth:`BackendHarness.use_file_io`)."""
+        self.io = io
+        return True
 
     def kill_spec(self) -> KillSpec | None:
         return FileSpec(self.path, self.append_log, self.fsync)

@@ -13,6 +13,7 @@ incarnations on one backend — the recovery pattern of TEST-3 as an object.
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 from collections.abc import Callable
 from typing import Any
@@ -68,12 +69,38 @@ class World:
         self.store: Store | None = None
         self.incarnations = 0
         self._opened = False
+        self._store: Store | None = None  # a fork's copy of the store, used instead of the harness's
 
     async def _backend(self) -> tuple[Any, Store]:
         if not self._opened:
             self._opened = True
-            return await self.harness.open()
-        return await self.harness.reopen()
+            backend, store = await self.harness.open()
+        else:
+            backend, store = await self.harness.reopen()
+        return backend, store if self._store is None else self._store
+
+    def fork(self, harness: BackendHarness) -> World:
+        """A copy of this world as it is now, whose next :meth:`start` is the restart after
+        a death on ``harness``'s storage instead: the same setup, ``instance_id``, options,
+        time (a new clock at this instant), events and incarnation count, a copy of the
+        channel (:meth:`MockProvider.copy <botmesh.core.testing.MockProvider.copy>`) and
+        of the store (``copy.deepcopy``: the in-memory store a file harness keeps), and the
+        random generator in the same state. ``harness`` must already be open (its next
+        call is :meth:`~BackendHarness.reopen`); closing the fork closes it. This world is
+        left as it was, so several forks can recover from one moment — the crash matrix
+        recovers each crash state a power cut could leave this way. Call it after the
+        death and before :meth:`restart`."""
+        assert self.store is not None, "fork() a world that was started"
+        clone = World(harness, setup=self.setup, instance_id=self.instance_id, durability=self.options,
+                      clock=VirtualClock(self.clock.now(), settle_timeout_s=self.clock.settle_timeout_s))
+        clone.channel = self.channel.copy()
+        clone.rng.setstate(self.rng.getstate())
+        clone.events = list(self.events)
+        clone.event_incarnations = list(self.event_incarnations)
+        clone.incarnations = self.incarnations
+        clone.store = clone._store = copy.deepcopy(self.store)
+        clone._opened = True
+        return clone
 
     async def start(self, *, crash: bool = False, **durability: Any) -> Bot:
         """Start the next incarnation. ``crash=True`` wraps its backend and provider so

@@ -76,6 +76,16 @@ class Outcome:
     when the crash did not fire. None when not measured."""
     recovery_note: str | None = None
     """Why ``recovery_lines`` is empty although measured (another tracer was active)."""
+    power_cut_states: int | None = None
+    """Power-cut crash states recovered from beside the ordinary recovery
+    (:mod:`botmesh_testkit.matrix.powercut_states`); None when the cell has none to check
+    (no crash, a backend not doing its file I/O through ``botmesh.core.fileio``, or one
+    that does not claim ``survives_crash``)."""
+    power_cut_window: int = 0
+    """Distinct crash states the unsynced window at the crash allowed (the one on disk
+    included); ``power_cut_states`` of them, at most the cap, were recovered."""
+    power_cut_failed: int = 0
+    """Of the power-cut states recovered, those that broke a guarantee."""
 
     @property
     def passed(self) -> bool:
@@ -88,6 +98,10 @@ class Outcome:
         lines.append(f"  crash: {self.crash_point or 'did not fire'}")
         lines.append(f"  crash points passed: {compress(self.history) or '(none)'}")
         lines.append(f"  delivered: {self.deliveries}")
+        if self.power_cut_states is not None:
+            lines.append(f"  power-cut states recovered: {self.power_cut_states} (of {self.power_cut_window} distinct crash "
+                         f"states of the unsynced window, the one on disk included), {self.power_cut_failed} broke a "
+                         "guarantee")
         if self.ambiguous:
             lines.append(f"  ambiguous keys: {self.ambiguous}")
         lines.append(f"  reproduce: {self.cell.command(seed)}")

@@ -45,8 +45,10 @@ ENGINE_NAME = "engine.py"
 NOTE_TRACER_ACTIVE = "recovery coverage off: another tracer is active"
 
 RECOVERY_FUNCTIONS: tuple[tuple[str, str], ...] = (
-    ("sweep", "the pass after a start: takes back leases (LEASE-4), replays or kills inbound records "
-              "(INB-3, INB-7), delivers due sends"),
+    ("sweep", "the pass after a start: finds the due inbound records (INB-3) and hands them to the replay "
+              "task, delivers due sends"),
+    ("_replay_due", "a due inbound record: claimed (LEASE-4 takes back a dead incarnation's lease), replayed "
+                    "or dead-lettered (INB-3, INB-7)"),
     ("_claim_inbound", "inbox claim helper (recover=True takes a dead incarnation's lease)"),
     ("_claim_send", "outbox claim helper: returns the previous state, 'sending' is an ambiguous send"),
     ("_deliver", "background delivery of a due send: part order (OUT-12), split before claim (OUT-13), "

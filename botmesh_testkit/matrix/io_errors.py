@@ -5,8 +5,13 @@ bot must fail closed and recover.
 For a backend whose storage lives in its workdir, the workload runs once on the
 power-cut file system (:mod:`botmesh_testkit.crash.fs`) to count the operations it makes
 after the bot started; then, for each n, a fresh copy of the backend runs it with the
-n-th operation failing with ``EIO``, is restarted (the fault has cleared: it fires once)
-and gets the channel's redeliveries, as in a crash-matrix cell. Judged with the matrix's
+n-th operation failing with ``EIO``; right after the workload the process dies **and the
+power goes** (a ``drop`` cut: the mount keeps what was made durable), and the backend
+reopened there must hold every record it had acknowledged
+(:func:`~botmesh_testkit.checker.journal.lost_writes`, INB-8: a backend that swallows a
+failed write or fsync and reports success loses that write, which without the cut the
+page cache would hide). Then it is restarted (the fault has cleared: it fires once) and
+gets the channel's redeliveries, as in a crash-matrix cell. Judged with the matrix's
 history check against a crash-free run (nothing admitted lost, every send exactly once
 or accounted for as ambiguous, nothing unsettled, no part applied without the rest —
 INB-8: a refused inbound is not dispatched and is redelivered), and the backend still
@@ -25,7 +30,9 @@ from dataclasses import dataclass, field
 
 from ..backends.registry import resolve
 from ..checker.history import check
+from ..checker.journal import Journal, lost_writes, read_journal
 from ..checker.violation import Violation
+from ..crash.world import World
 from ..crash.fs.faults import FAULT_OPS
 from ..crash.fs.mount import PowerCutFS, PowerCutMount
 from .cells import Cell, Oracle, Outcome
@@ -86,6 +93,7 @@ async def _one(mount: PowerCutMount, backend: str, sub: str, truth: Oracle, seed
     w = WORKLOADS[WORKLOAD]
     storage = mount.path / sub
     os.makedirs(storage, exist_ok=True)
+    mount.sync()  # the set-up (this directory) is durable; the backend's own files are its business
     world = make_world(resolve(backend)(str(storage)), w, policy, seed)
     cell = Cell(backend, WORKLOAD, policy, "before", f"io#{nth or 0}", nth or 0)
     try:
@@ -107,6 +115,10 @@ async def _one(mount: PowerCutMount, backend: str, sub: str, truth: Oracle, seed
             outcome.violations.append(Violation(("INB-8", "INB-2"), f"operation #{nth} failing made Provider.deliver "
                                                                    f"raise {raised!r}: a channel adapter gets an "
                                                                    "exception instead of the refusal it can act on"))
+        lost = await _power_cut(world, mount, nth)
+        outcome.violations.extend(lost)
+        if any(v.message.startswith(_NO_REOPEN) for v in lost):
+            return outcome, counted, fired, surfaced
         try:
             await recover(world, w)
         except Exception as exc:  # the backend does not reopen on what the failed operation left
@@ -118,6 +130,39 @@ async def _one(mount: PowerCutMount, backend: str, sub: str, truth: Oracle, seed
         return outcome, counted, fired, surfaced
     finally:
         await world.close()
+
+
+_NO_REOPEN = "after a power cut right after"
+
+
+async def _power_cut(world: World, mount: PowerCutMount, nth: int | None) -> list[Violation]:
+    """The process dies and the power goes right after the workload (the failed operation
+    in it): the journals the backend had acknowledged are read from it first, then the
+    mount keeps only what was made durable (a ``drop`` cut) and the backend is opened on
+    that; every acknowledged record must be there (:func:`~..checker.journal.lost_writes`
+    with INB-8: a failure the backend did not report loses the write). A backend that
+    cannot list its journals after a failed write (it refuses everything until reopened)
+    is judged by the recovery alone."""
+    assert world.bot is not None and world.bot.durability is not None
+    d = world.bot.durability
+    scope, live = d.scope, d.backend
+    await world.bot.abandon()
+    try:
+        acknowledged: Journal | None = await read_journal(live, scope)
+    except Exception:  # refuses until reopened (a write it could not undo): nothing to compare
+        acknowledged = None
+    mount.cut("drop")
+    what = f"operation #{nth} failed" if nth else "the workload"
+    try:
+        backend, _ = await world.harness.reopen()
+        await backend.start()
+        reopened = await read_journal(backend, scope)
+    except Exception as exc:
+        return [Violation(("INB-3", "GUAR-1", "INB-8"), f"{_NO_REOPEN} {what}, the backend no longer opens on what it "
+                                                        f"had made durable: {exc!r}")]
+    if acknowledged is None:
+        return []
+    return lost_writes(acknowledged, reopened, where=f"a power cut right after {what}", extra_ids=("INB-8",))
 
 
 async def io_error_loop(backend: str, *, seed: int, workdir: str, policy: str = "skip") -> IoErrorRun | str:

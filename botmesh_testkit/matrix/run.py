@@ -11,6 +11,13 @@ guarantees, using a crash-free run of the same workload as the oracle.
 The crash points of a cell come from a crash-free *dry run* of the workload on the same
 backend: every (operation, occurrence) it passed, before and after; plus random cells
 (``crash_at(n)``) drawn from a seed (:func:`botmesh_testkit.matrix.cells.draw_cells`).
+
+For a backend whose harness does its file I/O through ``botmesh.core.fileio`` (``file``,
+``file+log``: :meth:`~botmesh_testkit.backends.base.BackendHarness.use_file_io`) and that
+claims ``survives_crash``, a cell runs on a recording ``PowerCutIO`` (no real fsync: the
+model keeps durability), and after its crash it also recovers from the crash states a
+power cut at that point could leave, at most four (:mod:`.powercut_states`): the cell's
+id does not change, its outcome counts the states (``power_cut_states``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ..backends.registry import resolve
 from ..checker.history import check
 from ..crash.world import DRAIN_MS, World
 from .cells import POLICIES, Cell, MatrixResult, Oracle, Outcome, draw_cells
+from .powercut_states import PowerCutStates, recording_io
 from .workloads import WORKLOADS, Workload, transient
 
 
@@ -110,12 +118,14 @@ async def recover(world: World, w: Workload) -> None:
 
 
 async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measure_recovery: bool = False) -> Outcome:
-    """Run one cell and check its history. ``measure_recovery``: record the lines of
-    the engine's recovery code run from the restart to the end of the drain
-    (``Outcome.recovery_lines``)."""
+    """Run one cell and check its history; for a file backend, also recover from the
+    power-cut crash states of its crash point (module docstring). ``measure_recovery``:
+    record the lines of the engine's recovery code run from the restart to the end of
+    the drain (``Outcome.recovery_lines``; the ordinary recovery's only)."""
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
     harness = resolve(cell.backend)(workdir)
+    io = recording_io(harness, workdir)
     world = make_world(harness, w, cell.policy, seed)
     try:
         await world.start(crash=True)
@@ -125,6 +135,9 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
         world.channel.fail_next(transient(), times=w.channel_failures)
         await play(world, w)
         crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)
+        cuts: PowerCutStates | None = None
+        if crashed and io is not None and cb.capabilities.survives_crash:  # the backend's own claim
+            cuts = await PowerCutStates.capture(world, io, cell, seed)
         recovery_lines: frozenset[int] | None = None
         recovery_note: str | None = None
         if crashed and measure_recovery:
@@ -141,6 +154,8 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
                           deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent],
                           recovery_lines=recovery_lines, recovery_note=recovery_note)
         await check(world, truth, outcome)
+        if cuts is not None:
+            await cuts.judge(w, truth, outcome, recover)
         outcome.seconds = time.perf_counter() - started
         return outcome
     finally:

@@ -119,6 +119,10 @@ SCRIPT = """
     }
     if ("crash" in c) { field(dl, "crash", c.crash === null ? "did not fire" : c.crash); }
     if ("seconds" in c) { field(dl, "real time", c.seconds + " s"); }
+    if (c.power_cut_states) {
+      field(dl, "power-cut states", c.power_cut_states[0] + " recovered of " + c.power_cut_states[1] +
+            " distinct crash states of the unsynced window; " + c.power_cut_states[2] + " broke a guarantee");
+    }
     body.appendChild(dl);
     if (c.violations && c.violations.length) {
       body.appendChild(el("h4", "", "violated"));
@@ -321,6 +325,10 @@ def _backend_section(n: int, b: dict[str, Any], cells_html: str) -> str:
     rows.append((f"held ({len(held)})", _e(", ".join(held) or "—")))
     if b.get("service_skip"):
         rows.append(("service skip", _e(b["service_skip"])))
+    cuts = b.get("matrix_power_cut_states")
+    if isinstance(cuts, dict):
+        rows.append(("matrix power-cut states", _e(f"{cuts.get('states')} recovered in {cuts.get('cells')} crashed cells, "
+                                                   f"{cuts.get('failed')} broke a guarantee")))
     recovery = b.get("recovery_coverage")
     if isinstance(recovery, dict):
         rows.append(("recovery coverage", _e(f"{recovery.get('hit_lines')}/{recovery.get('total_lines')} lines of "

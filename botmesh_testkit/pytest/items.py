@@ -38,7 +38,8 @@ class MatrixCellItem(ReportingItem):
     """One crash-matrix cell as a test item. What the report's grid shows of it is
     :meth:`cell_record`, attached to its test report by the plugin."""
 
-    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, seq: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, power_cuts: bool = False, seq: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cell = cell
         self.oracle = oracle
@@ -48,6 +49,8 @@ class MatrixCellItem(ReportingItem):
         from ..matrix.workloads import WORKLOADS
 
         ids = set(WORKLOADS[cell.workload].spec_ids) | set(spec_ids(cell.point))
+        if power_cuts:  # its crash states are recovered too (matrix.powercut_states)
+            ids.add("BACK-6")
         self.add_marker(pytest.mark.spec(*sorted(ids)))
         self.seq = seq
         self.user_properties.append(("botmesh_backend", cell.backend))
@@ -82,6 +85,9 @@ class MatrixCellItem(ReportingItem):
             from ..matrix.coverage import record_of
 
             self.user_properties.append(("botmesh_recovery", record_of(self.outcome)))
+        if self.outcome.power_cut_states is not None:
+            self.user_properties.append(("botmesh_powercut_states",
+                                         (self.outcome.power_cut_states, self.outcome.power_cut_failed)))
         self.ihook.pytest_botmesh_cell_finished(cell=self.cell, outcome=self.outcome)
         if not self.outcome.passed:
             raise CellFailed(self.outcome.report(self.seed))
@@ -102,6 +108,8 @@ def cell_run_record(outcome: Outcome) -> dict[str, Any]:
         record["violations"] = [str(v) for v in outcome.violations]
     if outcome.ambiguous:
         record["ambiguous"] = list(outcome.ambiguous)
+    if outcome.power_cut_states is not None:  # [recovered, distinct in the window, broke a guarantee]
+        record["power_cut_states"] = [outcome.power_cut_states, outcome.power_cut_window, outcome.power_cut_failed]
     return record
 
 
@@ -294,6 +302,7 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
     only = Cell.parse(config.getoption("--botmesh-cell")) if config.getoption("--botmesh-cell") else None
     if only is not None and only.backend != backend:
         return []
+    power_cuts = power_cut_states_apply(backend)
     items: list[pytest.Item] = []
     for workload in profile.workloads:
         if only is not None and only.workload != workload:
@@ -317,8 +326,22 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
         for cell in cells:
             items.append(MatrixCellItem.from_parent(session, name=f"botmesh-matrix::{cell.id}",
                                                     nodeid=f"botmesh-matrix::{cell.id}", cell=cell, oracle=truth,
-                                                    seed=seed, seq=len(items)))
+                                                    seed=seed, power_cuts=power_cuts, seq=len(items)))
     return items
+
+
+def power_cut_states_apply(backend: str) -> bool:
+    """Whether ``backend``'s crashed cells also recover from power-cut crash states
+    (:mod:`botmesh_testkit.matrix.powercut_states`): its harness does its file I/O
+    through ``botmesh.core.fileio`` and it claims ``survives_crash`` (as known before it
+    opens: a factory's claims are learnt at open, and such a harness takes no
+    ``FileIO``)."""
+    from ..backends.registry import resolve
+    from ..matrix.powercut_states import recording_io
+
+    with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+        harness = resolve(backend)(tmp)
+        return recording_io(harness, tmp) is not None and harness.capabilities.survives_crash
 
 
 def kill_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:

@@ -6,11 +6,13 @@ It is built on the controller after the session from what the plugin gathered fr
 test reports (so it is complete under pytest-xdist): per backend, the capabilities it
 claims, the items passed/failed/skipped per part, the requirement ids held and broken
 (the rule of the terminal summary), the skip reasons with their counts, the kill-loop
-summaries and a verdict; for the run, the seed, the matrix profile, the parts, the date
-(UTC), the versions of what was involved and the command line (passwords of URLs
-redacted); the failed items with their message and reproduce command; the crash-matrix
-cells one by one (``matrix_cells``: coordinates, outcome, crash points passed, deliveries,
-violations, reproduce command; one line each in the JSON). ``PATH`` ending in ``.md``
+summaries, the power-cut crash states the matrix recovered from
+(``matrix_power_cut_states``: cells, states, failed), the failed items with their
+message and reproduce command, the crash-matrix cells one by one (``matrix_cells``:
+coordinates, outcome, crash points passed, deliveries, violations, power-cut states,
+reproduce command; one line each in the JSON) and a verdict; for the run, the seed, the
+matrix profile, the parts, the date (UTC), the versions of what was involved and the
+command line (passwords of URLs redacted). ``PATH`` ending in ``.md``
 gives a Markdown document, ``.html`` / ``.htm`` one self-contained HTML page drawn from
 the same dict (:mod:`.html_report`); anything else, JSON.
 
@@ -137,6 +139,9 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "failed_items": [f for f in state.failures if f["backend"] == name],
             "matrix_cells": sorted((c for b, c in state.cells if b == name), key=lambda c: (c["seq"], c["id"])),
         })
+        cuts = state.power_cut_states.get(name)
+        if cuts is not None:
+            entry["matrix_power_cut_states"] = cuts.to_json()
         recovery = state.recovery.get(name)
         if recovery is not None:
             entry["recovery_coverage"] = recovery.to_json()
@@ -205,6 +210,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             out.append(f"| service skip | {_cell(b['service_skip'])} |")
         for s in b["skips"]:
             out.append(f"| skipped ×{s['count']} ({', '.join(s['parts'])}) | {_cell(s['reason'])} |")
+        cuts = b.get("matrix_power_cut_states")
+        if cuts:
+            out.append(f"| matrix power-cut states | {cuts['states']} recovered in {cuts['cells']} crashed cells, "
+                       f"{cuts['failed']} broke a guarantee |")
         for line in b["kill_loops"]:
             out.append(f"| kill loop | {_cell(line)} |")
         for k, v in b["versions"].items():

@@ -24,6 +24,31 @@ if TYPE_CHECKING:
 PLUGIN_NAME = "botmesh_session"
 
 
+class PowerCutCount:
+    """The power-cut crash states of one backend's matrix cells
+    (:mod:`botmesh_testkit.matrix.powercut_states`): cells that had them checked, states
+    recovered, states that broke a guarantee."""
+
+    def __init__(self) -> None:
+        self.cells = 0
+        self.states = 0
+        self.failed = 0
+
+    def add(self, states: int, failed: int) -> None:
+        self.cells += 1
+        self.states += states
+        self.failed += failed
+
+    def line(self) -> str:
+        from ..matrix.powercut_states import MAX_STATES_PER_CELL
+
+        return (f"matrix power-cut states: {self.states} recovered in {self.cells} crashed cells, besides each cell's own "
+                f"recovery (at most {MAX_STATES_PER_CELL} a cell); {self.failed} broke a guarantee")
+
+    def to_json(self) -> dict[str, int]:
+        return {"cells": self.cells, "states": self.states, "failed": self.failed}
+
+
 class BotmeshSession:
     """What one run of the plugin established (see the module docstring)."""
 
@@ -38,6 +63,8 @@ class BotmeshSession:
         """``(backend, record)`` of each crash-matrix item run: its coordinates, outcome,
         reproduce command and what running it gave (the report's grid)."""
         self.recovery: dict[str, RecoveryCoverage] = {}
+        self.power_cut_states: dict[str, PowerCutCount] = {}
+        """Backend -> the power-cut crash states its matrix cells recovered from."""
         self.skip_reasons: list[tuple[str, str, str]] = []
         """``(backend, part, reason)`` of each skipped item."""
         self.service_skips: dict[str, str] = {}
@@ -130,6 +157,9 @@ class BotmeshSession:
             from ..matrix.coverage import RecoveryCoverage
 
             self.recovery.setdefault(str(backend), RecoveryCoverage()).add_record(props["botmesh_recovery"])
+        if "botmesh_powercut_states" in props:
+            states, failed = props["botmesh_powercut_states"]
+            self.power_cut_states.setdefault(str(backend), PowerCutCount()).add(int(states), int(failed))
         if "botmesh_kill_report" in props:
             self.kill_reports.append((str(backend), list(props["botmesh_kill_report"])))
         if outcome == "skipped":
@@ -179,6 +209,9 @@ class BotmeshSession:
             write(f"{backend}: " + "; ".join(counts))
             for line in kill_lines.get(backend, []):
                 write(f"  {line}")
+            cuts = self.power_cut_states.get(backend)
+            if cuts is not None:
+                write(f"  {cuts.line()}")
             recovery = self.recovery.get(backend)
             if recovery is not None:
                 for line in recovery.format().splitlines():

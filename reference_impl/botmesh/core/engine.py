@@ -27,10 +27,8 @@ import asyncio
 import contextlib
 import logging
 import math
-import socket
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Generic
 
 from . import content as contentlib
@@ -41,59 +39,12 @@ from .host import BotHost, CtxT, HandlerContext
 from .keylocks import KeyLocks
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
+from .outcomes import METRIC_KEYS, SendResult, _Dead, _Failed, _Sent, derive_scope
+from .sweep import Purger, Replays, default_instance_id
 
 log = logging.getLogger("botmesh.durability")
 
-METRIC_KEYS = (
-    "inbound_journaled",
-    "inbound_duplicates",
-    "inbound_replayed",
-    "inbound_dead",
-    "outbox_journaled",
-    "outbox_deduped",
-    "outbox_retried",
-    "outbox_deferred",
-    "outbox_dead",
-    "outbox_ambiguous",
-    "outbox_bypassed",
-    "stale_leases",
-    "outbox_diverged",
-)
-
-
-@dataclass
-class SendResult:
-    """What ``ctx.reply``/``bot.send`` return. ``message_id`` is the provider's id of the
-    first part (None when the send was skipped as ``unknown`` or is still pending);
-    ``deduped`` is True when answered from the outbox (OUT-2)."""
-
-    message_id: str | None
-    key: str | None = None
-    message_ids: list[str] = field(default_factory=list)
-    deduped: bool = False
-    state: str = "sent"
-
-
-@dataclass
-class _Sent:
-    message_id: str
-
-
-@dataclass
-class _Failed:
-    error: BaseException
-    delay: float
-
-
-@dataclass
-class _Dead:
-    error: BaseException | str
-
-
-def derive_scope(tenant_id: str | None, environment_id: str | None, bot_id: str, connection_id: str) -> str:
-    """The scope id of SCOPE-1: ``tenant/environment/bot/connection`` ("-" when unset)."""
-    return "/".join(p if p else "-" for p in (tenant_id, environment_id, bot_id, connection_id))
-
+__all__ = ["METRIC_KEYS", "DurabilityRuntime", "SendResult", "derive_scope"]
 
 class _Journal:
     """``bot.durability.inbox`` / ``.outbox``: the operator's view of one journal."""
@@ -135,8 +86,7 @@ class DurabilityRuntime(Generic[CtxT]):
         if config.instance_id is not None:
             self.instance_id = config.instance_id
         else:  # LEASE-3
-            base = f"{socket.gethostname()}/{bot.bot_id}/{bot.connection_id}"
-            self.instance_id = f"{base}/{uuid.uuid4().hex[:8]}" if self.backend.capabilities.shared else base
+            self.instance_id = default_instance_id(bot.bot_id, bot.connection_id, self.backend.capabilities)
         self.incarnation = uuid.uuid4().hex
         self.inbox = _Journal(self, "inbox")
         self.outbox = _Journal(self, "outbox")
@@ -148,12 +98,14 @@ class DurabilityRuntime(Generic[CtxT]):
         self._chat_locks: dict[str, asyncio.Lock] = {}
         self._key_locks = KeyLocks(self.clock)  # OUT-2, OUT-10: one send per key at a time
         self._seq = 0
-        self._next_purge = 0.0
+        self._replays = Replays(self._spawn, self._replay_due, self._replay_failed)
+        self._purger = Purger(lambda journal, exc: self._sweep_failed("sweep.purge", exc, journal=journal))
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self.incarnation = uuid.uuid4().hex
         self._recovered = False
+        self._replays.reset()
         await self.backend.start()
         self._sweep_task = asyncio.ensure_future(self._sweep_loop())
 
@@ -319,14 +271,16 @@ class DurabilityRuntime(Generic[CtxT]):
                 self.config.inbox.lease_ms,
             ):
                 replayed_media = None
-                if live_event is None:
-                    ev = record.event
-                    live_event = InboundEvent(
-                        id=ev.get("id", record.id), chat_id=ev.get("chat_id", record.chat_id), text=ev.get("text", ""),
-                        kind=ev.get("kind", record.kind), user_id=ev.get("user_id"), data=ev.get("data") or {},
-                    )
-                    replayed_media = rehydrate(self.bot.provider, ev.get("media"))  # MEDIA-2
                 try:
+                    if live_event is None:
+                        ev = record.event
+                        live_event = InboundEvent(
+                            id=ev.get("id", record.id), chat_id=ev.get("chat_id", record.chat_id),
+                            text=ev.get("text", ""), kind=ev.get("kind", record.kind), user_id=ev.get("user_id"),
+                            data=ev.get("data") or {},
+                        )
+                        # MEDIA-2; never raises: a bad reference fails only the download (MEDIA-3)
+                        replayed_media = rehydrate(self.bot.provider, ev.get("media"))
                     ctx = await self.bot.prepare(live_event, record, replayed_media)
                 except Exception as exc:  # INB-5: failure before the handlers
                     await self._inbox_failed(record, exc)
@@ -360,52 +314,83 @@ class DurabilityRuntime(Generic[CtxT]):
         self._count("inbound_dead" if kind == "inbox" else "outbox_dead")
         await self.bot.emit("durability:dead", {"kind": kind, "id": id, "error": error})
 
-    # -- the sweep ----------------------------------------------------------------------
+    # -- the sweep (its machinery: sweep.py) ---------------------------------------------
     async def _sweep_loop(self) -> None:
         while True:
             with self.clock.busy():
                 try:
                     await self.sweep()
-                except Exception as exc:
+                except Exception as exc:  # the journal failed under the pass itself (inbox_due, outbox_due)
                     await self.bot.emit("error", {"error": exc, "stage": "sweep"})
             await self.clock.sleep(self.config.poll_ms)
 
+    async def _sweep_failed(self, stage: str, exc: Exception, **where: str) -> None:
+        """One record's failure in the sweep: reported (logged when nobody listens),
+        never the end of the pass."""
+        await self.bot.emit("error", {"error": exc, "stage": stage, **where})
+
     async def sweep(self) -> None:
         """One pass: recover or take over due inbound records (INB-3, INB-7, LEASE-2,
-        LEASE-4), deliver due sends (OUT-7, OUT-12, OUT-13, OUT-14), purge (OPS-3)."""
+        LEASE-4) — handed to the replay task (``sweep.Replays`` running
+        :meth:`_replay_due`, one at a time) the pass does not wait for —, deliver due
+        sends (OUT-7, OUT-12..14), purge (OPS-3). A record's failure is an ``error`` event
+        (``stage`` ``sweep.inbox``/``.outbox``/``.purge``, its ``id``/``key``); the pass
+        goes on. The first pass after a start (LEASE-4) is repeated until it handed on
+        all it found."""
         recover = not self._recovered
-        now = self._now()
-        upto = math.inf if recover else now
+        upto = math.inf if recover else self._now()
         b, scope = self.backend, self.scope
+        handed_on = True  # every record found was handed on: the recovery (if this is it) is over
         for id in await b.inbox_due(scope, upto=upto, limit=100):
-            if id in self._local_inbound:
+            if id not in self._local_inbound and id not in self._replays:  # not running or queued here
+                self._replays.add(id, recover=recover)
+        records: list[OutboxRecord] = []
+        for key in await b.outbox_due(scope, upto=upto, limit=100):
+            try:
+                rec = await b.outbox_get(scope, key)
+            except Exception as exc:
+                handed_on = False
+                await self._sweep_failed("sweep.outbox", exc, key=key)
                 continue
-            record = await self._claim_inbound(id, recover=recover)
-            if record is None:
-                continue
-            if record.attempts > self.config.inbox.max_attempts:  # INB-7, GUAR-7
-                error = f"{record.attempts - 1} charged executions never finished"
-                if await b.inbox_kill(scope, id, token=record.token, now=self._now(), error=error):
-                    await self._dead("inbox", id, error)
-                continue
-            self._count("inbound_replayed")
-            await self._execute(record, None)
-        keys = await b.outbox_due(scope, upto=upto, limit=100)
-        records = [r for r in [await b.outbox_get(scope, k) for k in keys] if r is not None]
+            if rec is not None:
+                records.append(rec)
         records.sort(key=lambda r: (r.created_at, r.seq, r.part, r.key))
         for rec in records:
             lock = self._chat_lock(rec.chat_id)
             if lock.locked():
+                handed_on = False
                 continue  # an inline send to this chat is in progress: keep its order (OUT-11)
-            async with lock:
-                await self._deliver(rec, recover=recover)
-        self._recovered = True
-        if self.config.retention_ms > 0 and self._now() >= self._next_purge:
-            # purging is cheap but a write: once a minute (or once per retention, when
-            # shorter) is plenty for a retention measured in days
-            self._next_purge = self._now() + min(60_000.0, self.config.retention_ms)
-            await b.inbox_purge(scope, now=self._now(), limit=500)
-            await b.outbox_purge(scope, now=self._now(), limit=500)
+            try:
+                async with lock:
+                    await self._deliver(rec, recover=recover)
+            except Exception as exc:
+                handed_on = False
+                await self._sweep_failed("sweep.outbox", exc, key=rec.key)
+        if handed_on:
+            self._recovered = True
+        await self._purger.run(b, scope, self._now, self.config.retention_ms)
+
+    async def _replay_failed(self, id: str, recover: bool, exc: Exception) -> None:
+        with self.clock.busy():
+            if recover:
+                self._recovered = False  # not taken back: the next pass recovers again
+            await self._sweep_failed("sweep.inbox", exc, id=id)
+
+    async def _replay_due(self, id: str, recover: bool) -> None:
+        """Claim a due inbound record and run it again (INB-3, LEASE-2, LEASE-4), or
+        dead-letter it when its executions keep dying (INB-7, GUAR-7)."""
+        with self.clock.busy():
+            b, scope = self.backend, self.scope
+            record = await self._claim_inbound(id, recover=recover)
+            if record is None:
+                return  # taken elsewhere, or not due any more
+            if record.attempts > self.config.inbox.max_attempts:  # INB-7, GUAR-7
+                error = f"{record.attempts - 1} charged executions never finished"
+                if await b.inbox_kill(scope, id, token=record.token, now=self._now(), error=error):
+                    await self._dead("inbox", id, error)
+                return
+            self._count("inbound_replayed")
+            await self._execute(record, None)
 
     async def _deliver(self, rec: OutboxRecord, *, recover: bool) -> None:
         """Deliver one due send from the background (enqueued, deferred, failed,

@@ -38,7 +38,8 @@ class Capabilities:
       The settings such a claim rests on may be reported by ``durability_settings()``
       (see :class:`~botmesh.core.spi.DurableKv`), and are then checked against it.
     * ``multi_process`` — several processes of one host may use it at once; claims stay
-      exclusive across them.
+      exclusive across them. The default ``instance_id`` then gets a per-boot suffix
+      (LEASE-3), as on a shared backend: two processes of one host never share it.
     * ``multi_host`` — several hosts may use it at once.
     * ``shared`` — it is a server other processes reach (PostgreSQL, Redis): the default
       ``instance_id`` then gets a per-boot suffix (LEASE-3).

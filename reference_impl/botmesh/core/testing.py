@@ -73,6 +73,27 @@ class MockProvider(Provider):
         (:meth:`Provider.deliver` returned False: the journal write failed, INB-8) — a
         real webhook would have answered with an error status."""
 
+    def copy(self) -> MockProvider:
+        """An independent copy of this channel as it is now: what it accepted, its calls,
+        the failures still pending, the media it serves; it numbers its next message and
+        event where this one would. Attached to no bot. For tests that branch one history
+        into several (``botmesh_testkit``'s crash matrix recovers each crash state a power
+        cut could leave from the same moment)."""
+        clone = MockProvider(text_limit=self.text_limit, name=self.name)
+        clone.sent = list(self.sent)
+        clone.calls = list(self.calls)
+        clone.typing_calls = list(self.typing_calls)
+        clone._failures = list(self._failures)
+        clone._rules = list(self._rules)
+        clone.media_hosts = self.media_hosts
+        clone.media_bytes = dict(self.media_bytes)
+        clone.refused = list(self.refused)
+        # Read each counter's next value once and restart both sides there.
+        next_id, next_event = next(self._ids), next(self._events)
+        self._ids, clone._ids = itertools.count(next_id), itertools.count(next_id)
+        self._events, clone._events = itertools.count(next_event), itertools.count(next_event)
+        return clone
+
     def fail_next(self, error: BaseException, times: int = 1) -> None:
         self._failures.extend([error] * times)
 
@@ -132,7 +153,10 @@ class MockProvider(Provider):
     def _rehydrate(self, stored: dict[str, Any], ref: Any) -> Any:
         if stored.get("v") != 1:
             raise ProviderError(f"unknown media reference version {stored.get('v')!r}", retryable=False)
-        url = (stored.get("data") or {}).get("url")
+        data = stored.get("data")
+        if not isinstance(data, dict):
+            raise ProviderError(f"media reference data must be an object, got {data!r:.80}", retryable=False)
+        url = data.get("url")
         if not isinstance(url, str) or not url.startswith("https://"):
             raise ProviderError("media reference without an https url", retryable=False)
         host = url[len("https://"):].split("/", 1)[0]

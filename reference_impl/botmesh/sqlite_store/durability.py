@@ -4,7 +4,9 @@ over :class:`~botmesh.sqlite_store.SQLiteKv`, journals in table ``durable`` (BAC
 
 It survives a crash (WAL, ``synchronous=FULL``) and may be shared by processes of one host
 that open the same file (REPL-4); not across hosts (SQLite over a network file system
-gives no working locks)."""
+gives no working locks). Because of that sharing (``capabilities.multi_process``) a bot
+without an explicit ``instance_id`` gets a per-boot suffix on it, as on PostgreSQL and
+Redis (LEASE-3): two processes on one file never take each other's leases."""
 
 from __future__ import annotations
 
