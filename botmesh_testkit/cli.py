@@ -6,7 +6,7 @@
   plugin's summary of requirement ids held and broken and items passed/failed; exit
   status 1 when something failed, 2 on bad arguments. ``--cell ID`` reruns one cell (the
   command a failing cell prints); ``--junitxml PATH`` writes a JUnit report for CI;
-  ``--report PATH`` the certification report (JSON, or Markdown for ``.md``).
+  ``--report PATH`` the certification report (JSON, Markdown for ``.md``, HTML for ``.html``).
 * ``botmesh-testkit points`` — the catalogue of crash points and the spec ids each one
   exercises.
 * ``botmesh-testkit spec [ID...]`` — the requirements: with ids, the full text of each
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
     run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
     run.add_argument("--report", metavar="PATH",
-                     help="write the certification report: JSON, or Markdown when PATH ends in .md")
+                     help="write the certification report: JSON, Markdown when PATH ends in .md, HTML when it "
+                          "ends in .html")
     run.add_argument("-n", "--jobs", type=int, metavar="N", help="run on N processes (pytest-xdist)")
     run.add_argument("--require-services", action="store_true",
                      help="fail when a postgres/redis server cannot be provisioned instead of skipping")

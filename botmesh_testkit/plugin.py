@@ -112,8 +112,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--botmesh-redis-url", default=None, metavar="URL",
                     help="Redis server for the redis backend (else $BOTMESH_REDIS_URL, else a private server)")
     group.addoption("--botmesh-report", default=None, metavar="PATH",
-                    help="write the certification report to PATH after the run: JSON, or Markdown when PATH ends in .md")
-    parser.addini("botmesh_report", "certification report file (relative to the ini file; .md: Markdown, else JSON)",
+                    help="write the certification report to PATH after the run: JSON, Markdown when PATH ends in .md, "
+                         "one self-contained HTML page when it ends in .html")
+    parser.addini("botmesh_report", "certification report file (relative to the ini file; .md: Markdown, "
+                                    ".html: HTML, else JSON)",
                   default="")
     parser.addini("botmesh_backend", "default backends (space separated)", type="args", default=[])
     parser.addini("botmesh_matrix", "default crash matrix profile", default=DEFAULT_MATRIX)
@@ -201,7 +203,7 @@ def _report_path(config: pytest.Config) -> Path | None:
     base = config.invocation_params.dir if given else (config.inipath.parent if config.inipath else config.rootpath)
     path = (Path(base) / Path(raw).expanduser()).absolute()
     if path.is_dir():
-        raise usage(option, f"{raw!r} is a directory; give a file path (.json, or .md for Markdown)")
+        raise usage(option, f"{raw!r} is a directory; give a file path (.json, .md for Markdown, .html for HTML)")
     if not path.parent.is_dir():
         raise usage(option, f"the directory of {raw!r} ({str(path.parent)!r}) does not exist")
     return path
@@ -292,6 +294,11 @@ def _param_backend(item: pytest.Item) -> str | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
+    cell_record = getattr(item, "cell_record", None)
+    if callable(cell_record) and (report.when == "call" or report.outcome != "passed"):
+        # the report's grid (an attribute, not a user property: it stays out of JUnit files,
+        # and pytest-xdist carries a report's attributes to the controller as they are)
+        report.__dict__["botmesh_cell"] = cell_record()
     outcome = getattr(item, "outcome", None)
     if outcome is not None and getattr(item, "cell", None) is not None and not outcome.passed:
         ids = sorted({i for v in outcome.violations for i in v.ids})

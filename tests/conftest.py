@@ -77,3 +77,20 @@ def require_fuse() -> None:
         if os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"):
             pytest.fail(f"power cuts must run here (BOTMESH_REQUIRE_SERVICES), but: {reason}")
         pytest.skip(f"power cuts cannot run here: {reason}")
+
+
+def require_chromium() -> str:
+    """The path of a headless-capable Chromium (Debian's ``chromium`` package), to check
+    the HTML report in a real browser. Skip, naming why, when there is none — or fail,
+    when ``$BOTMESH_REQUIRE_SERVICES`` is set (as .ci/run sets it, after installing it):
+    there the browser check must run."""
+    import os
+    import shutil
+
+    found = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
+    if found is None:
+        reason = "no chromium on PATH (Debian: apt-get install chromium)"
+        if os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"):
+            pytest.fail(f"the HTML report must be checked in a browser here (BOTMESH_REQUIRE_SERVICES), but: {reason}")
+        pytest.skip(f"the HTML report cannot be checked in a browser here: {reason}")
+    return found

@@ -5,6 +5,7 @@ a third party runs it (pytester, a subprocess)."""
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import pytest
@@ -95,6 +96,16 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert {s["reason"] for s in memory["skips"]} == {"capability not claimed: survives_crash",
                                                       "capability not claimed: multi_process"}
     assert memory["service_skip"] is None and memory["kill_loops"] == []
+    # the matrix cell by cell (the HTML report's grid): one record per item, one line each
+    cells = memory["matrix_cells"]
+    assert len(cells) == collected["matrix"] == len({c["id"] for c in cells})
+    assert {c["outcome"] for c in cells} == {"passed"} and {c["workload"] for c in cells} == set(report["matrix"]["workloads"])
+    assert {c["policy"] for c in cells} == set(report["matrix"]["policies"]) == {"skip", "resend"}
+    for c in cells:
+        assert c["reproduce"] == f"botmesh-testkit run --backend memory --seed 11 --cell {shlex.quote(c['id'])}"
+        assert c["id"] == f"memory/{c['workload']}/{c['policy']}/{c['at']}" and isinstance(c["deliveries"], list)
+    lines = (pytester.path / "r.json").read_text(encoding="utf-8").splitlines()
+    assert sum(line.lstrip().startswith('{"id": "memory/') for line in lines) == len(cells)
 
 
 @pytest.mark.spec("TEST-4", "BACK-7", "OUT-2", "GUAR-4")
@@ -118,6 +129,7 @@ def test_a_broken_third_party_backend_is_not_certified(pytester: pytest.Pytester
     assert entry["claims"]["shared"] is False
     assert entry["versions"] == {"thirdparty": "not from an installed distribution"}
     assert report["seed"] == 3
+    assert entry["matrix_cells"] == []  # no matrix in this run
 
 
 @pytest.mark.spec("TEST-4", "BACK-7")
@@ -189,6 +201,9 @@ def test_the_report_is_complete_under_xdist(pytester: pytest.Pytester) -> None:
     assert two["verdict"] == "certified" and two["seed"] == 11
     for key in ("parts", "totals", "held", "broken", "skips", "claims", "verdict"):
         assert _backend(one, "memory")[key] == _backend(two, "memory")[key], key
+    # the cells came back from the workers, in the dry runs' order
+    cells = [[(c["id"], c["outcome"], c["history"]) for c in _backend(r, "memory")["matrix_cells"]] for r in (one, two)]
+    assert cells[0] == cells[1] and len(cells[0]) == _backend(one, "memory")["parts"]["matrix"]["passed"]
     assert two["versions"]["pytest-xdist"]
     assert " -n 2" in two["command"]
 

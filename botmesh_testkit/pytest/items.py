@@ -35,9 +35,11 @@ class ReportingItem(pytest.Item):
 
 
 class MatrixCellItem(ReportingItem):
-    """One crash-matrix cell as a test item."""
+    """One crash-matrix cell as a test item. What the report's grid shows of it is
+    :meth:`cell_record`, attached to its test report by the plugin."""
 
-    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, power_cuts: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, power_cuts: bool = False, seq: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cell = cell
         self.oracle = oracle
@@ -50,7 +52,19 @@ class MatrixCellItem(ReportingItem):
         if power_cuts:  # its crash states are recovered too (matrix.powercut_states)
             ids.add("BACK-6")
         self.add_marker(pytest.mark.spec(*sorted(ids)))
+        self.seq = seq
         self.user_properties.append(("botmesh_backend", cell.backend))
+
+    def cell_record(self) -> dict[str, Any]:
+        """The cell for the report: its coordinates (``seq``: its place among its
+        backend's cells, so the grid keeps the dry run's order under xdist too) and,
+        once it ran, what running it gave (:func:`cell_run_record`)."""
+        cell = self.cell
+        record: dict[str, Any] = {"id": cell.id, "workload": cell.workload, "policy": cell.policy,
+                                  "at": f"{cell.when}:{cell.point}#{cell.nth}", "seq": self.seq}
+        if self.outcome is not None:
+            record.update(cell_run_record(self.outcome))
+        return record
 
     def runtest(self) -> None:
         from ..matrix.run import run_cell
@@ -82,14 +96,40 @@ class MatrixCellItem(ReportingItem):
         return "botmesh-matrix", 0, f"crash cell {self.cell.id}"
 
 
-class BrokenDryRunItem(ReportingItem):
-    """Stands for the cells of a workload whose crash-free dry run failed."""
+def cell_run_record(outcome: Outcome) -> dict[str, Any]:
+    """What running a cell gave, for the report's grid, kept small: the history as
+    :func:`~botmesh_testkit.matrix.cells.compress` writes it, empty lists left out."""
+    from ..matrix.cells import compress
 
-    def __init__(self, *, backend: str, message: str, **kwargs: Any) -> None:
+    record: dict[str, Any] = {"crash": outcome.crash_point, "history": compress(outcome.history),
+                              "deliveries": [list(d) for d in outcome.deliveries],
+                              "seconds": round(outcome.seconds, 3)}
+    if outcome.violations:
+        record["violations"] = [str(v) for v in outcome.violations]
+    if outcome.ambiguous:
+        record["ambiguous"] = list(outcome.ambiguous)
+    if outcome.power_cut_states is not None:  # [recovered, distinct in the window, broke a guarantee]
+        record["power_cut_states"] = [outcome.power_cut_states, outcome.power_cut_window, outcome.power_cut_failed]
+    return record
+
+
+class BrokenDryRunItem(ReportingItem):
+    """Stands for the cells of a workload whose crash-free dry run failed (in the
+    report's grid: one cell across the workload's row)."""
+
+    def __init__(self, *, backend: str, workload: str, message: str, reproduce: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.message = message
+        self.reproduce = reproduce
         self.add_marker(pytest.mark.spec("TEST-4"))
+        self.backend = backend
+        self.workload = workload
         self.user_properties.append(("botmesh_backend", backend))
+
+    def cell_record(self) -> dict[str, Any]:
+        """The workload's row of the report's grid: one failed cell, before its others."""
+        return {"id": f"{self.backend}/{self.workload}/dry-run", "workload": self.workload, "policy": "*",
+                "at": "dry-run", "seq": -1}
 
     def runtest(self) -> None:
         raise CellFailed(self.message)
@@ -274,11 +314,11 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
             reason = ("did not finish within the cell budget (--botmesh-cell-timeout)"
                       if isinstance(exc, TimeoutError) else f"raised {exc!r}")
             name = f"botmesh-matrix::{backend}/{workload}/dry-run"
+            rerun = f"botmesh-testkit run --backend {shlex.quote(backend)} --seed {seed} --parts matrix"
             items.append(BrokenDryRunItem.from_parent(
-                session, name=name, nodeid=name, backend=backend,
+                session, name=name, nodeid=name, backend=backend, workload=workload, reproduce=rerun,
                 message=f"the crash-free dry run of workload {workload!r} on {backend} {reason}; its crash cells "
-                        f"cannot be drawn. Reproduce: botmesh-testkit run --backend {shlex.quote(backend)} "
-                        f"--seed {seed} --parts matrix"))
+                        f"cannot be drawn. Reproduce: {rerun}"))
             continue
         cells = draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
         if only is not None:
@@ -286,7 +326,7 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
         for cell in cells:
             items.append(MatrixCellItem.from_parent(session, name=f"botmesh-matrix::{cell.id}",
                                                     nodeid=f"botmesh-matrix::{cell.id}", cell=cell, oracle=truth,
-                                                    seed=seed, power_cuts=power_cuts))
+                                                    seed=seed, power_cuts=power_cuts, seq=len(items)))
     return items
 
 
@@ -409,6 +449,8 @@ def reproduce_command(item: pytest.Item, base: str, config: pytest.Config) -> st
     cell = getattr(item, "cell", None)
     if part == "matrix" and cell is not None:
         return str(cell.command(int(getattr(item, "seed", 0))))
+    if part == "matrix" and isinstance(item, BrokenDryRunItem):
+        return item.reproduce
     if part == "scenarios":
         rerun = getattr(item.parent, "rerun", None)
         return f"{rerun} -k {shlex.quote(item.name)}" if rerun else None

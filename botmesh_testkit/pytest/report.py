@@ -7,9 +7,14 @@ test reports (so it is complete under pytest-xdist): per backend, the capabiliti
 claims, the items passed/failed/skipped per part, the requirement ids held and broken
 (the rule of the terminal summary), the skip reasons with their counts, the kill-loop
 summaries, the power-cut crash states the matrix recovered from
-(``matrix_power_cut_states``: cells, states, failed) and a verdict; for the run, the seed, the matrix profile, the parts, the date
-(UTC), the versions of what was involved and the command line (passwords of URLs
-redacted). ``PATH`` ending in ``.md`` gives a Markdown document; anything else, JSON.
+(``matrix_power_cut_states``: cells, states, failed), the failed items with their
+message and reproduce command, the crash-matrix cells one by one (``matrix_cells``:
+coordinates, outcome, crash points passed, deliveries, violations, power-cut states,
+reproduce command; one line each in the JSON) and a verdict; for the run, the seed, the
+matrix profile, the parts, the date (UTC), the versions of what was involved and the
+command line (passwords of URLs redacted). ``PATH`` ending in ``.md``
+gives a Markdown document, ``.html`` / ``.htm`` one self-contained HTML page drawn from
+the same dict (:mod:`.html_report`); anything else, JSON.
 
 The verdict of each backend is :mod:`.verdict`'s: **certified** only when every part its
 claims require ran and passed, **partial** when some did not run (listed), **not
@@ -24,6 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
+import secrets
 import shlex
 import sys
 from collections import Counter, defaultdict
@@ -77,9 +83,11 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
     matrix = matrix_name(config)
     try:
         profile = load_profile(matrix)
-        profile_info: dict[str, Any] = {"name": profile.name, "description": profile.description, "source": matrix}
+        profile_info: dict[str, Any] = {"name": profile.name, "description": profile.description, "source": matrix,
+                                        "workloads": list(profile.workloads), "policies": list(profile.policies)}
     except Exception as exc:
-        profile_info = {"name": matrix, "description": f"unknown ({exc})", "source": matrix}
+        profile_info = {"name": matrix, "description": f"unknown ({exc})", "source": matrix,
+                        "workloads": [], "policies": []}
     backends = []
     verdicts = []
     for name in names:
@@ -129,6 +137,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
             "failed_items": [f for f in state.failures if f["backend"] == name],
+            "matrix_cells": sorted((c for b, c in state.cells if b == name), key=lambda c: (c["seq"], c["id"])),
         })
         cuts = state.power_cut_states.get(name)
         if cuts is not None:
@@ -222,12 +231,37 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_json(report: dict[str, Any]) -> str:
+    """The report as JSON, indented, with each matrix cell's record on one line (a
+    matrix has hundreds of cells: one line each keeps the file short and diffable)."""
+    nonce = secrets.token_hex(8)  # no value of the report can be mistaken for a placeholder
+    cells: list[str] = []
+
+    def mark(entry: dict[str, Any]) -> dict[str, Any]:
+        if "matrix_cells" not in entry:
+            return entry
+        placeholders = []
+        for record in entry["matrix_cells"]:
+            placeholders.append(f"cell-{nonce}-{len(cells)}")
+            cells.append(json.dumps(record))
+        return {**entry, "matrix_cells": placeholders}
+
+    text = json.dumps({**report, "backends": [mark(b) for b in report["backends"]]}, indent=2)
+    return re.sub(f'"cell-{nonce}-(\\d+)"', lambda m: cells[int(m.group(1))], text) + "\n"
+
+
 def write_report(state: BotmeshSession, path: Path, exitstatus: int | None = None) -> dict[str, Any]:
-    """Build the report and write it to ``path`` (Markdown for ``.md``, else JSON)."""
+    """Build the report and write it to ``path``: Markdown for ``.md``, one
+    self-contained HTML page for ``.html`` / ``.htm`` (:mod:`.html_report`), else JSON."""
     report = build_report(state, exitstatus)
-    if path.suffix.lower() == ".md":
+    suffix = path.suffix.lower()
+    if suffix == ".md":
         text = render_markdown(report)
+    elif suffix in (".html", ".htm"):
+        from .html_report import render_html
+
+        text = render_html(report)
     else:
-        text = json.dumps(report, indent=2) + "\n"
+        text = render_json(report)
     path.write_text(text, encoding="utf-8")
     return report

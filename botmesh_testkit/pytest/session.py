@@ -59,6 +59,9 @@ class BotmeshSession:
         self.failures: list[dict[str, Any]] = []
         """Every failed item: backend, part, item (node id), outcome, violated ids, message, reproduce."""
         self.kill_reports: list[tuple[str, list[str]]] = []
+        self.cells: list[tuple[str, dict[str, Any]]] = []
+        """``(backend, record)`` of each crash-matrix item run: its coordinates, outcome,
+        reproduce command and what running it gave (the report's grid)."""
         self.recovery: dict[str, RecoveryCoverage] = {}
         self.power_cut_states: dict[str, PowerCutCount] = {}
         """Backend -> the power-cut crash states its matrix cells recovered from."""
@@ -144,6 +147,12 @@ class BotmeshSession:
                 "spec": list(spec), "violated": list(violated), "message": failure_message(report),
                 "reproduce": props.get("botmesh_reproduce"),
             })
+        record = getattr(report, "botmesh_cell", None)  # a matrix item's (set by the plugin; crosses xdist)
+        if isinstance(record, dict):
+            cell: dict[str, Any] = {**record, "outcome": outcome}
+            if props.get("botmesh_reproduce"):
+                cell["reproduce"] = props["botmesh_reproduce"]
+            self.cells.append((str(backend), cell))
         if "botmesh_recovery" in props:
             from ..matrix.coverage import RecoveryCoverage
 
