@@ -245,7 +245,10 @@ def test_a_plain_install_of_the_wheel_runs_the_main_job(tmp_path: Path, built: t
     made = _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, timeout=PIP_TIMEOUT)
     assert made.returncode == 0, made.stderr
     py = venv / "bin" / "python"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHON", "VIRTUAL_ENV"))}
+    # a plain install has no FUSE binding: the power cuts skip (the verdict is partial), so
+    # CI's "require every part" setting does not apply to this run
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "PYTHON", "VIRTUAL_ENV", "BOTMESH_REQUIRE"))}
     installed = _run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
                      cwd=tmp_path, env=env, timeout=PIP_TIMEOUT)
     assert installed.returncode == 0, f"pip install <wheel> failed:\n{installed.stdout[-3000:]}\n{installed.stderr[-3000:]}"
