@@ -48,7 +48,6 @@ def _bot(durability: Any) -> Bot:
         ("2h", 2 * 3_600_000.0),
         ("7d", 7 * DAY),
         ("1.5s", 1500.0),
-        (" 30s ", 30_000.0),
         ("1500", 1500.0),
         (1500, 1500.0),
         (2.5, 2.5),
@@ -58,6 +57,30 @@ def _bot(durability: Any) -> Bot:
 def test_durations_parse(value: Any, ms: float) -> None:
     """CONF-1: a duration is a string with a unit (ms, s, m, h, d) or milliseconds."""
     assert parse_duration(value, "durability.poll_ms") == ms
+
+
+@pytest.mark.spec("CONF-1")
+@pytest.mark.parametrize(
+    ("option", "value", "ms"),
+    [
+        ("poll_ms", "1ms", 1.0),
+        ("poll_ms", 1, 1.0),
+        ("retention", "365d", 365 * DAY),
+        ("retention", 365 * 86_400_000, 365 * DAY),
+        ("retention", 0, 0.0),
+        ("outbox", {"lease_ms": "20ms"}, 20.0),
+        ("inbox", {"backoff": {"base_ms": 0, "cap_ms": "0.5ms"}}, 0.5),
+    ],
+)
+def test_durations_at_the_bounds_are_accepted(option: str, value: Any, ms: float) -> None:
+    """CONF-1 (issue 13): the bounds themselves are accepted — poll_ms from 1 ms, lease_ms
+    from 20 ms, any duration up to one year, retention 0 (kept for ever)."""
+    bot = _bot({option: value})
+    assert bot.durability is not None
+    cfg = bot.durability.config
+    got = {"poll_ms": cfg.poll_ms, "retention": cfg.retention_ms, "outbox": cfg.outbox.lease_ms,
+           "inbox": cfg.inbox.backoff.cap_ms}[option]
+    assert got == ms
 
 
 @pytest.mark.spec("CONF-1")
@@ -118,6 +141,9 @@ BAD_VALUES = [
     ({"poll_ms": "15 parsecs"}, "durability.poll_ms"),
     ({"poll_ms": "s"}, "durability.poll_ms"),
     ({"poll_ms": "-5s"}, "durability.poll_ms"),
+    ({"poll_ms": " 30s "}, "durability.poll_ms"),
+    ({"poll_ms": "0.9ms"}, "durability.poll_ms"),
+    ({"retention": "366d"}, "durability.retention"),
     ({"retention": -1}, "durability.retention"),
     ({"retention": True}, "durability.retention"),
     ({"retention": "forever"}, "durability.retention"),

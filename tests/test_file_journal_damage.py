@@ -60,7 +60,7 @@ from botmesh.core.spi import DurableKv
 
 INF = math.inf
 SPACES = [("scope-a", "inbox"), ("scope-a", "outbox"), ("scope-b", "inbox")]
-KEYS = ["m1", "m2", "m3", "m4", "m5", "ключ", "a:b", "😀", ""]
+KEYS = ["m1", "m2", "m3", "m4", "m5", "ключ", "a:b", "😀", " "]
 DEFAULT_VARIANTS = 1_500
 FULL_VARIANTS = 12_000
 SEED = int(os.environ.get("BOTMESH_DAMAGE_SEED", "13"))

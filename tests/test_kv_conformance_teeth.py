@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import math
 import textwrap
 from typing import Any
 
@@ -155,6 +157,54 @@ class ForgetfulKv(MemoryKv):
     capabilities = Capabilities(survives_crash=True)
 
 
+class StringifiedKeyKv(MemoryKv):
+    """Bug: a key that is not a str is stored under ``str(key)`` (an int id as ``"5"``:
+    what MemoryKv and SQLiteKv did before issue 13)."""
+
+    async def get(self, scope: str, space: str, key: Any) -> Versioned | None:
+        return await super().get(scope, space, key if isinstance(key, str) else str(key))
+
+    async def put(self, scope: str, space: str, key: Any, value: dict[str, Any], *, expected_version: int,
+                  due: float | None = None, expires: float | None = None) -> int:
+        key = key if isinstance(key, str) else str(key)
+        return await super().put(scope, space, key, value, expected_version=expected_version, due=due, expires=expires)
+
+
+class DriverErrorKv(MemoryKv):
+    """Bug: keys reach the "driver" unchecked, which encodes them first: an int key
+    raises AttributeError and a lone surrogate UnicodeEncodeError (what RedisKv and
+    SQLiteKv did before issue 13)."""
+
+    async def get(self, scope: str, space: str, key: Any) -> Versioned | None:
+        key.encode("utf-8")
+        return await super().get(scope, space, key)
+
+    async def put(self, scope: str, space: str, key: Any, value: dict[str, Any], *, expected_version: int,
+                  due: float | None = None, expires: float | None = None) -> int:
+        key.encode("utf-8")
+        return await super().put(scope, space, key, value, expected_version=expected_version, due=due, expires=expires)
+
+
+class NanScoreKv(MemoryKv):
+    """Bug: a NaN index score is stored as no entry instead of being refused (what
+    SQLite's REAL column did)."""
+
+    async def put(self, scope: str, space: str, key: str, value: dict[str, Any], *, expected_version: int,
+                  due: float | None = None, expires: float | None = None) -> int:
+        due = None if isinstance(due, float) and math.isnan(due) else due
+        return await super().put(scope, space, key, value, expected_version=expected_version, due=due, expires=expires)
+
+
+class RecursionKv(MemoryKv):
+    """Bug: the value is encoded without a depth guard, so a deeply nested one raises
+    RecursionError."""
+
+    async def put(self, scope: str, space: str, key: str, value: dict[str, Any], *, expected_version: int,
+                  due: float | None = None, expires: float | None = None) -> int:
+        json.dumps(value, default=str)
+        return await super().put(scope, space, key, value, expected_version=expected_version, due=due, expires=expires)
+
+
 BROKEN: list[type[MemoryKv]] = [
     CasIgnoresVersionKv,
     DescendingRangeKv,
@@ -165,6 +215,10 @@ BROKEN: list[type[MemoryKv]] = [
     NonAtomicCasKv,
     SharedValueKv,
     ForgetfulKv,
+    StringifiedKeyKv,
+    DriverErrorKv,
+    NanScoreKv,
+    RecursionKv,
 ]
 
 _HEADER = '''\
@@ -172,6 +226,8 @@ _HEADER = '''\
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from typing import Any
 
 from botmesh.core.errors import VersionConflict
@@ -369,4 +425,64 @@ def test_false_survives_crash_claim_fails(pytester: pytest.Pytester) -> None:
         "ForgetfulKv",
         ["test_acknowledged_writes_survive_a_crash", "test_agrees_with_the_reference_memory_kv"],
         ["BACK-7: a write that returned is durable to the degree capabilities.survives_crash claims"],
+    )
+
+
+@pytest.mark.spec("BACK-7")
+def test_a_key_stored_as_its_str_fails(pytester: pytest.Pytester) -> None:
+    """BACK-7 (issue 13): a kv that stores an int key as ``"5"`` is caught: a key
+    outside the contract must be refused, not stored as something else."""
+    result, out = _run_suite_against(pytester, "StringifiedKeyKv")
+    _assert_fails(
+        result,
+        out,
+        "StringifiedKeyKv",
+        ["test_keys_outside_the_contract_are_refused_and_change_nothing"],
+        ["BACK-7: get() of a key that is an int is outside the contract and must be refused with InvalidKeyError, "
+         "not stored as something else"],
+    )
+
+
+@pytest.mark.spec("BACK-7")
+def test_a_drivers_own_error_for_an_odd_key_fails(pytester: pytest.Pytester) -> None:
+    """BACK-7 (issue 13): a kv whose driver raises AttributeError / UnicodeEncodeError
+    for an odd key is caught, the driver's error named."""
+    result, out = _run_suite_against(pytester, "DriverErrorKv")
+    _assert_fails(
+        result,
+        out,
+        "DriverErrorKv",
+        ["test_keys_outside_the_contract_are_refused_and_change_nothing"],
+        ["BACK-7: get() of a key that is an int is outside the contract and must be refused with InvalidKeyError "
+         "before the storage sees it (never the driver's own error); it raised AttributeError"],
+    )
+
+
+@pytest.mark.spec("BACK-7")
+def test_a_nan_score_taken_as_no_entry_fails(pytester: pytest.Pytester) -> None:
+    """BACK-7 (issue 13): a kv that takes a NaN ``due`` as no index entry is caught."""
+    result, out = _run_suite_against(pytester, "NanScoreKv")
+    _assert_fails(
+        result,
+        out,
+        "NanScoreKv",
+        ["test_scopes_spaces_scores_bounds_and_versions_outside_the_contract_are_refused"],
+        ["BACK-7: put() with a due score that is NaN is outside the contract and must be refused with "
+         "InvalidArgumentError"],
+    )
+
+
+@pytest.mark.spec("BACK-7")
+def test_a_recursion_error_for_a_deep_value_fails(pytester: pytest.Pytester) -> None:
+    """BACK-7 (issue 13): a kv that lets RecursionError escape for a deeply nested value
+    is caught."""
+    result, out = _run_suite_against(pytester, "RecursionKv")
+    _assert_fails(
+        result,
+        out,
+        "RecursionKv",
+        ["test_values_outside_the_contract_are_refused_with_type_or_value_error"],
+        ["BACK-7: put() of a value that is nested 100,000 levels deep is outside the contract and must be refused "
+         "with TypeError or ValueError before the storage sees it (never the driver's own error); it raised "
+         "RecursionError"],
     )

@@ -180,7 +180,9 @@ async def test_keys_are_under_the_scope_hash_tag_and_one_slot_per_scope_journal(
         assert set(scope_keys(prefix, scope, space).values()) == set(mine)
 
 
-LOOK_ALIKES = ["s", "s}", "s}:records", "{s}", "s:x", "s%7D", "s%", "s:{x}:y", "s\n", "s\x00"]
+# (U+0000 is refused in a scope by every kv, botmesh.core.inputs: U+0001 stands for the
+# control characters instead)
+LOOK_ALIKES = ["s", "s}", "s}:records", "{s}", "s:x", "s%7D", "s%", "s:{x}:y", "s\n", "s\x01"]
 
 
 @spec("SCOPE-2", "BACK-3")

@@ -22,6 +22,10 @@ and in ``@pytest.mark.spec``):
 * compare-and-set with versions — BACK-7, and LEASE-2 where fencing relies on a stale
   version being refused;
 * values round-trip exactly and are copies; keys up to 512 characters;
+* odd inputs (issue 13): keys, scopes, spaces, scores, bounds and versions outside the
+  contract refused with ``InvalidKeyError``/``InvalidArgumentError`` and values outside
+  it with ``TypeError``/``ValueError`` — never a driver's own exception, never stored as
+  something else, nothing changed — and odd-but-valid keys and values round-trip;
 * both ordered indexes (``"due"``, ``"expires"``): ascending ``(score, key)``,
   ``upto`` inclusive, ``float('inf')``, ``limit``, entries that move, vanish and come
   back with ``put`` and vanish with ``delete``; an unknown index name refused with
@@ -45,7 +49,7 @@ run this package. Tuning knobs are class attributes (``timeout_seconds``,
 
 The suite is composed of one mixin class per concern (the style of fsspec's abstract
 tests), each in a module of this package: :mod:`.cas`, :mod:`.values`, :mod:`.indexes`,
-:mod:`.scan`, :mod:`.isolation`, :mod:`.concurrency`, :mod:`.lifecycle`,
+:mod:`.inputs`, :mod:`.scan`, :mod:`.isolation`, :mod:`.concurrency`, :mod:`.lifecycle`,
 :mod:`.survival` and :mod:`.agreement` (the state machine), on the common ground of
 :mod:`.base` (the fixture, the runner, :class:`Scopes`). :class:`DurableKvConformance`
 is all of them; a project may bind fewer (``class TestMine(CasTests, ScanTests)``).
@@ -58,6 +62,7 @@ from .base import INF, SPACES, KvFactory, KvSuiteBase, Scopes, T, crash
 from .cas import CasTests
 from .concurrency import ConcurrencyTests
 from .indexes import IndexTests
+from .inputs import InputTests
 from .isolation import IsolationTests
 from .lifecycle import LifecycleTests
 from .scan import ScanTests
@@ -72,6 +77,7 @@ __all__ = [
     "ConcurrencyTests",
     "DurableKvConformance",
     "IndexTests",
+    "InputTests",
     "IsolationTests",
     "KvFactory",
     "KvSuiteBase",
@@ -97,6 +103,7 @@ class DurableKvConformance(
     IsolationTests,
     ScanTests,
     IndexTests,
+    InputTests,
     ValueTests,
     CasTests,
 ):

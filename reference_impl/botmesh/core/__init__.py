@@ -10,6 +10,8 @@ from .errors import (
     BotmeshError,
     ConfigError,
     DurabilityError,
+    InvalidArgumentError,
+    InvalidKeyError,
     JournalCorruptError,
     JournalLockedError,
     SendDeferredError,
@@ -48,7 +50,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "METRIC_KEYS", "WRITE_OPS", "BackendUnavailableError", "Bot", "BotmeshError", "Capabilities", "Clock",
     "ConfigError", "Context", "DurabilityBackend", "DurabilityConfig", "DurabilityError", "DurableKv",
-    "FileDurability", "Flow", "InboundEvent", "InboxRecord", "JournalCorruptError", "JournalLockedError",
+    "FileDurability", "Flow", "InboundEvent", "InboxRecord", "InvalidArgumentError", "InvalidKeyError",
+    "JournalCorruptError", "JournalLockedError",
     "KvDurability", "MediaUnavailableError", "MemoryDurability", "MemoryKv", "MemoryStore", "OutboxRecord",
     "OutsideSessionWindowError", "PayloadTooLargeError", "Provider", "ProviderError", "RateLimitedError",
     "RealClock", "RecipientUnreachableError", "SendDeferredError", "SendFailedError", "SendResult", "Store",

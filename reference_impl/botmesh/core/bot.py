@@ -21,6 +21,7 @@ from .engine import DurabilityRuntime, SendResult
 from .errors import ConfigError
 from .flows import Flow
 from .host import ReplayedMedia
+from .inputs import describe, text_problem
 from .provider import InboundEvent, Provider
 from .records import InboxRecord
 from .store import MemoryStore, Store
@@ -122,9 +123,7 @@ class Bot:
             raise ConfigError(f"provider: expected a Provider, got {type(provider).__name__}", option="provider")
         if store is not None and not isinstance(store, Store):
             raise ConfigError(f"store: expected a Store, got {type(store).__name__}", option="store")
-        for option, value in (("bot_id", bot_id), ("connection_id", connection_id)):
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{option}: expected a non-empty string, got {value!r}", option=option)
+        _check_ids(bot_id=bot_id, connection_id=connection_id, tenant_id=tenant_id, environment_id=environment_id)
         self.provider = provider
         self.store: Store = store if store is not None else MemoryStore()
         self.bot_id = bot_id
@@ -301,7 +300,11 @@ class Bot:
 
     async def _receive(self, event: InboundEvent) -> bool:
         """The provider's entry point for an inbound event; False when the event was
-        not taken (its journal write failed, INB-8) and must be redelivered."""
+        not taken (its journal write failed, INB-8) and must be redelivered. With
+        durability, an id that cannot be a journal key raises ``InvalidKeyError`` (a
+        ``ValueError``) before anything is remembered or journaled."""
+        if self.durability is not None:
+            self.durability.check_inbound_id(event.id)
         if event.id in self._seen:  # in-memory dedupe of redeliveries
             if self.durability is not None:
                 self.durability._count("inbound_duplicates")
@@ -424,6 +427,8 @@ class Bot:
         """Send ``content`` to each chat, one after the other. With ``idempotency_key``
         each chat's send is keyed ``<key>:<chat_id>`` so a rerun sends nothing twice.
         Returns the result (or the error) per chat."""
+        if self.durability is not None:
+            self.durability.check_idempotency_key(idempotency_key)
         results: dict[str, SendResult | BaseException] = {}
         for chat_id in chat_ids:
             key = None if idempotency_key is None else f"{idempotency_key}:{chat_id}"
@@ -436,6 +441,22 @@ class Bot:
     async def messages(self, chat_id: str | None = None) -> list[dict[str, Any]]:
         """The message log of the store."""
         return await self.store.messages(chat_id)
+
+
+def _check_ids(**ids: str | None) -> None:
+    """The ids a bot's scope is made of (SCOPE-1): ``bot_id`` and ``connection_id`` a
+    non-empty string, ``tenant_id`` and ``environment_id`` a string or None; every one
+    valid Unicode without U+0000, since the scope is part of every journal key (issue
+    13). ``ConfigError`` naming the option otherwise."""
+    for option, value in ids.items():
+        required = option in ("bot_id", "connection_id")
+        if value is None and not required:
+            continue
+        if not isinstance(value, str) or (required and not value):
+            raise ConfigError(f"{option}: expected a non-empty string, got {value!r}", option=option, value=value)
+        problem = text_problem(value)
+        if problem is not None:
+            raise ConfigError(f"{option} {problem}: {describe(value)}", option=option, value=value)
 
 
 def _loggable(content: dict[str, Any]) -> dict[str, Any]:

@@ -4,10 +4,16 @@ Every bad value raises :class:`~botmesh.core.errors.ConfigError` whose ``option`
 the setting (``"durability.outbox.lease_ms"``) and whose message says what was given and
 what is accepted. Unknown keys are refused too: a typo must not silently fall back to a
 default.
+
+Durations (:func:`parse_duration`): the grammar is exact (``"15s"``, ``"250ms"``,
+``"7d"``; no spaces, ASCII digits only), numbers finite, and every duration between 0
+and one year (:data:`MAX_DURATION_MS`); ``poll_ms`` at least 1 ms, both ``lease_ms`` at
+least 20 ms (OUT-17). ``retention=0`` keeps records for ever.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,27 +26,67 @@ ON_AMBIGUOUS: tuple[str, ...] = ("skip", "resend")
 """The values of ``durability.outbox.on_ambiguous`` (OUT-14), the default first."""
 
 _UNITS = {"ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0, "d": 86_400_000.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)?", re.ASCII)
+
+MAX_DURATION_MS = 365 * 86_400_000.0
+"""The longest duration any option accepts: one year (issue 13). Longer ones are
+mistakes (a lease or a poll period of years) or better said otherwise (``retention=0``
+keeps records for ever)."""
+
+POLL_MIN_MS = 1.0
+"""The shortest ``durability.poll_ms``: a sweep period below a millisecond only burns CPU
+on an idle bot."""
+
+LEASE_MIN_MS = 20.0
+"""The shortest ``inbox.lease_ms`` and ``outbox.lease_ms`` (OUT-17)."""
 
 
-def parse_duration(value: Any, option: str) -> float:
+def parse_duration(value: Any, option: str, *, minimum: float = 0.0) -> float:
     """Milliseconds from ``"250ms"``, ``"15s"``, ``"5m"``, ``"2h"``, ``"7d"`` or a
-    non-negative number of milliseconds (CONF-1)."""
+    number of milliseconds (CONF-1).
+
+    The grammar is exact: ASCII digits with an optional fraction (``"1.5s"``) and an
+    optional unit (none: milliseconds) — no sign, no spaces, no exponent, no other
+    digits (``"１５s"``). A number (``int`` or ``float``, not ``bool``) must be finite.
+    Either way the duration lies between ``minimum`` and :data:`MAX_DURATION_MS` (one
+    year). Anything else raises :class:`ConfigError` naming ``option`` and the value."""
     if isinstance(value, bool):
         raise ConfigError(f"{option}: expected a duration, got {value!r}", option=option, value=value)
     if isinstance(value, (int, float)):
-        if value < 0 or value != value:
-            raise ConfigError(f"{option}: a duration must be >= 0 ms, got {value!r}", option=option, value=value)
-        return float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{option}: a duration must be finite, got {value!r}", option=option, value=value)
+        return _bounded(value, value, option, minimum)
     if isinstance(value, str):
-        match = _DURATION.match(value)
+        match = _DURATION.fullmatch(value)
         if match:
-            return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
+            return _bounded(float(match.group(1)) * _UNITS[match.group(2) or "ms"], value, option, minimum)
     raise ConfigError(
-        f"{option}: {value!r} is not a duration (use e.g. '250ms', '15s', '5m', '2h', '7d' or milliseconds)",
+        f"{option}: {_shown(value)} is not a duration (use e.g. '250ms', '15s', '5m', '2h', '7d' — digits and a unit, "
+        "no spaces — or a number of milliseconds)",
         option=option,
         value=value,
     )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _bounded(ms: float, value: Any, option: str, minimum: float) -> float:
+    """``ms`` (from ``value``) when it lies in ``[minimum, MAX_DURATION_MS]``; compared
+    before any conversion, so that a huge ``int`` cannot overflow."""
+    if ms < 0:
+        raise ConfigError(f"{option}: a duration must be >= 0 ms, got {_shown(value)}", option=option, value=value)
+    if ms < minimum:
+        raise ConfigError(
+            f"{option}: at least {minimum:g} ms, got {_shown(value)}", option=option, value=value
+        )
+    if not ms <= MAX_DURATION_MS:
+        raise ConfigError(
+            f"{option}: at most one year ({MAX_DURATION_MS:.0f} ms), got {_shown(value)}", option=option, value=value
+        )
+    return float(ms)
 
 
 @dataclass(frozen=True)
@@ -170,16 +216,11 @@ def parse_durability(value: Any) -> DurabilityConfig:
 
     ib = _mapping(raw.get("inbox"), "durability.inbox", {"lease_ms", "max_attempts", "backoff", "media_refs"})
     inbox = InboxConfig(
-        lease_ms=parse_duration(ib.get("lease_ms", "60s"), "durability.inbox.lease_ms"),
+        lease_ms=parse_duration(ib.get("lease_ms", "60s"), "durability.inbox.lease_ms", minimum=LEASE_MIN_MS),
         max_attempts=_int(ib.get("max_attempts", 5), "durability.inbox.max_attempts", 1),
         backoff=_backoff(ib.get("backoff"), "durability.inbox.backoff", Backoff()),
         media_refs=_bool(ib.get("media_refs", True), "durability.inbox.media_refs"),
     )
-    if inbox.lease_ms < 20:
-        raise ConfigError(
-            f"durability.inbox.lease_ms: at least 20 ms, got {inbox.lease_ms} ms",
-            option="durability.inbox.lease_ms", value=ib.get("lease_ms"),
-        )
 
     ob = _mapping(
         raw.get("outbox"),
@@ -193,17 +234,9 @@ def parse_durability(value: Any) -> DurabilityConfig:
         on_ambiguous=_choice(ob.get("on_ambiguous", "skip"), "durability.outbox.on_ambiguous", ON_AMBIGUOUS),
         on_diverged=_choice(ob.get("on_diverged", "send"), "durability.outbox.on_diverged", ("send", "skip")),
         max_payload_bytes=_int(ob.get("max_payload_bytes", 1024 * 1024), "durability.outbox.max_payload_bytes", 1),
-        lease_ms=parse_duration(ob.get("lease_ms", "60s"), "durability.outbox.lease_ms"),
+        lease_ms=parse_duration(ob.get("lease_ms", "60s"), "durability.outbox.lease_ms", minimum=LEASE_MIN_MS),  # OUT-17
     )
-    if outbox.lease_ms < 20:  # OUT-17
-        raise ConfigError(
-            f"durability.outbox.lease_ms: at least 20 ms (OUT-17), got {outbox.lease_ms} ms",
-            option="durability.outbox.lease_ms",
-            value=ob.get("lease_ms"),
-        )
-    poll_ms = parse_duration(raw.get("poll_ms", "1s"), "durability.poll_ms")
-    if poll_ms <= 0:
-        raise ConfigError("durability.poll_ms: must be > 0", option="durability.poll_ms", value=raw.get("poll_ms"))
+    poll_ms = parse_duration(raw.get("poll_ms", "1s"), "durability.poll_ms", minimum=POLL_MIN_MS)
     return DurabilityConfig(
         backend=backend,
         instance_id=instance_id,

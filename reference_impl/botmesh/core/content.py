@@ -9,6 +9,9 @@ import json
 import math
 from typing import Any
 
+from .errors import InvalidKeyError
+from .inputs import MAX_ID_CHARS, check_key, describe
+
 
 class UnencodableContent(Exception):
     """Content that cannot be journaled as JSON (a stream, a file object, a NaN or
@@ -174,15 +177,18 @@ def send_key_of(key: str, part: int) -> str:
 
 
 def check_idempotency_key(key: Any) -> str:
-    """An explicit ``idempotency_key=`` (OUT-3 rule 1), or a ``TypeError``/``ValueError``
-    naming it: a non-empty string without U+001F, the character reserved for the keys
-    of a split text's parts (:data:`PART_SEPARATOR`, OUT-12)."""
-    if not isinstance(key, str):
-        raise TypeError(f"idempotency_key must be a str, got {type(key).__name__} {key!r}")
-    if not key:
-        raise ValueError("idempotency_key must not be empty")
-    if PART_SEPARATOR in key:
-        raise ValueError(
-            f"idempotency_key {key!r} contains U+001F, reserved for the keys of a split text's parts (OUT-12)"
+    """An explicit ``idempotency_key=`` (OUT-3 rule 1), or an
+    :class:`~botmesh.core.errors.InvalidKeyError` (a ``ValueError``; a ``TypeError`` too
+    for a key that is not a ``str``) naming it: a key the engine accepts
+    (:func:`botmesh.core.inputs.check_key`, at most
+    :data:`~botmesh.core.inputs.MAX_ID_CHARS` characters) without U+001F, the character
+    reserved for the keys of a split text's parts (:data:`PART_SEPARATOR`, OUT-12)."""
+    checked = check_key(key, "idempotency_key", limit=MAX_ID_CHARS)
+    if PART_SEPARATOR in checked:
+        raise InvalidKeyError(
+            f"idempotency_key contains U+001F (at index {checked.index(PART_SEPARATOR)}), reserved for the keys of a "
+            f"split text's parts (OUT-12), got {describe(checked)}",
+            argument="idempotency_key",
+            value=checked,
         )
-    return key
+    return checked

@@ -19,6 +19,13 @@ Choices where the spec is silent (also in the README):
 * Part keys (OUT-12), one send per key at a time (OUT-2, OUT-10), the keys the send
   errors carry (OUT-9) and unencodable content (OUT-15): README, "Choices where the
   spec is silent".
+* Inbound ids and idempotency keys are checked here, before any backend sees them
+  (:mod:`botmesh.core.inputs`, issue 13): a non-empty ``str`` of at most 448 characters
+  (512, the kv's limit, less 64 kept for the suffixes derived keys get), valid Unicode,
+  without U+0000. Anything else raises :class:`~botmesh.core.errors.InvalidKeyError` (a
+  ``ValueError``) naming the argument and the value, nothing journaled and nothing sent,
+  whatever the backend. Keys given to the operator API (``replay_inbound``,
+  ``retry_send``, ``inbox.get`` ...) name existing records, so they may be up to 512.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .backend import DurabilityBackend
 from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
 from .host import BotHost, CtxT, HandlerContext
+from .inputs import MAX_ID_CHARS, check_key
 from .keylocks import KeyLocks
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
@@ -61,6 +69,7 @@ class _Journal:
         return list(await b.outbox_list(scope, state=state, limit=limit))
 
     async def get(self, id: str) -> Any:
+        check_key(id, "id")
         b, scope = self._rt.backend, self._rt.scope
         return await (b.inbox_get(scope, id) if self._kind == "inbox" else b.outbox_get(scope, id))
 
@@ -68,6 +77,7 @@ class _Journal:
         """Forget an outbox record (OPS-2)."""
         if self._kind != "outbox":
             raise TypeError("discard is an outbox operation")
+        check_key(key, "key")
         with self._rt.clock.busy():
             return await self._rt.backend.outbox_discard(self._rt.scope, key)
 
@@ -225,10 +235,25 @@ class DurabilityRuntime(Generic[CtxT]):
             "media": journal_media(self.bot.provider, event.media, self.config.inbox.media_refs),
         }
 
+    @staticmethod
+    def check_inbound_id(id: Any) -> str:
+        """``id`` when it can be an inbound record's id (the module docstring);
+        :class:`~botmesh.core.errors.InvalidKeyError` naming ``event.id`` otherwise."""
+        return check_key(id, "event.id", limit=MAX_ID_CHARS)
+
+    @staticmethod
+    def check_idempotency_key(key: Any) -> str | None:
+        """``key`` when it is None or can be a send's key (the module docstring, and no
+        U+001F: OUT-12); :class:`~botmesh.core.errors.InvalidKeyError` naming
+        ``idempotency_key`` otherwise."""
+        return None if key is None else contentlib.check_idempotency_key(key)
+
     async def admit(self, event: InboundEvent) -> bool:
         """Journal an inbound event before any handler runs (INB-1), then process it.
         False when the journal could not record it and it was not dispatched (INB-8, fail
-        closed): the channel must redeliver it. True otherwise."""
+        closed): the channel must redeliver it. True otherwise. An id that cannot be a
+        journal key raises ``InvalidKeyError`` (a ``ValueError``), nothing journaled."""
+        self.check_inbound_id(event.id)
         with self.clock.busy():
             now = self._now()
             lease = self.config.inbox.lease_ms
@@ -515,6 +540,7 @@ class DurabilityRuntime(Generic[CtxT]):
 
     async def send(self, chat_id: str, content: Any, *, idempotency_key: str | None, ctx: HandlerContext | None) -> SendResult:
         """``ctx.reply``/``bot.send`` with durability (OUT-1..OUT-15)."""
+        self.check_idempotency_key(idempotency_key)
         with self.clock.busy():
             content = contentlib.normalize(content)
             key, rule = self._key_for(ctx, idempotency_key)
@@ -701,6 +727,7 @@ class DurabilityRuntime(Generic[CtxT]):
     async def enqueue(self, chat_id: str, content: Any, *, idempotency_key: str | None) -> dict[str, str]:
         """OUT-10: run the ``before("send")`` hooks once, journal, return ``{"key"}`` at
         once; the sweep delivers it."""
+        self.check_idempotency_key(idempotency_key)
         with self.clock.busy():
             content = contentlib.normalize(content)
             key, rule = self._key_for(None, idempotency_key)
@@ -746,6 +773,7 @@ class DurabilityRuntime(Generic[CtxT]):
     async def replay_inbound(self, id: str) -> bool:
         """Process an inbound record again (a dead one, say). Returns False when there
         is no such record or it is leased."""
+        check_key(id, "id")
         with self.clock.busy():
             rec = await self.backend.inbox_replay(self.scope, id, now=self._now())
             if rec is None:
@@ -759,6 +787,7 @@ class DurabilityRuntime(Generic[CtxT]):
 
     async def retry_send(self, key: str) -> bool:
         """Send a ``dead``, ``failed`` or ``unknown`` record again."""
+        check_key(key, "key")
         with self.clock.busy():
             if not await self.backend.outbox_retry(self.scope, key, now=self._now()):
                 return False

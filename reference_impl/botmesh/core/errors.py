@@ -33,6 +33,33 @@ class ConfigError(BotmeshError):
     code = "CONFIG_INVALID"
 
 
+class InvalidArgumentError(BotmeshError, ValueError):
+    """An argument the API does not accept (an idempotency key, an inbound id, an index
+    score ...), refused before any backend sees it, so that every backend refuses it the
+    same way. ``argument`` names it (``"idempotency_key"``, ``"event.id"``, ``"due"``),
+    ``value`` is what was given. It is a :class:`ValueError` too (issue 13)."""
+
+    code = "ARGUMENT_INVALID"
+
+
+class InvalidKeyError(InvalidArgumentError):
+    """A key or id outside what the journals store (:mod:`botmesh.core.inputs`): not a
+    ``str``, empty, too long, not valid Unicode (a lone surrogate) or holding U+0000.
+    ``argument`` names it, ``value`` is what was given."""
+
+    code = "KEY_INVALID"
+
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a score that is a ``str`` ...): a ``TypeError`` as
+    well as a ``ValueError``, so that either ``except`` catches it."""
+
+
+class InvalidKeyTypeError(InvalidKeyError, InvalidArgumentTypeError):
+    """A key or id that is not a ``str`` at all (an ``int``, ``bytes`` ...): also a
+    ``TypeError``."""
+
+
 class DurabilityError(BotmeshError):
     """A durability backend could not do what was asked."""
 

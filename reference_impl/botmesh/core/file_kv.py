@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
 import os
 import threading
 from typing import Any
@@ -22,7 +21,6 @@ from .file_format import (
     Records,
     encode_value,
     is_int,
-    is_score,
     log_line,
     parse_snapshot,
     replay,
@@ -30,6 +28,7 @@ from .file_format import (
     snapshot_bytes,
 )
 from .fileio import FileIO, default_io
+from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
 __all__ = ["DEFAULT_COMPACT_BYTES", "DEFAULT_COMPACT_EVERY", "FileKv"]
@@ -58,29 +57,6 @@ class _SnapshotWriteFailed(Exception):
         self.landed = landed
 
 
-def _score(value: Any, name: str) -> float | None:
-    """A put's index score as stored (a float), or None. NaN is refused: it has no place
-    in an order (``range`` would never return it) and the files do not store it."""
-    if value is None:
-        return None
-    if not is_score(value):
-        raise TypeError(f"{name} must be a number or None, got {type(value).__name__}")
-    try:
-        score = float(value)
-    except OverflowError:
-        raise ValueError(f"{name} is too large for a float: {str(value)[:40]}...") from None
-    if math.isnan(score):
-        raise ValueError(f"{name} must not be NaN")
-    return score
-
-
-def _check_name(value: Any, name: str) -> None:
-    # The files store scope/space/key as JSON strings; anything else could not be read
-    # back as the same value.
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-
-
 def _parse_pid(text: str | None) -> int | None:
     if text is None:
         return None
@@ -103,6 +79,11 @@ class FileKv(DurableKv):
     Options (each validated, a bad one raises :class:`~botmesh.core.errors.ConfigError`
     naming it):
 
+    * ``path`` — the snapshot file: no NUL byte, not a directory (nor are ``<path>.log``,
+      ``.lock``, ``.tmp``), in an existing directory where this process may create
+      files, readable and writable when it exists
+      (:func:`~botmesh.core.fileio.place_problem`).
+
     * ``append_log`` — append each write to ``<path>.log`` instead of rewriting the
       snapshot. Giving ``compact_every`` or ``compact_bytes`` turns it on as well.
     * ``compact_every`` (1000), ``compact_bytes`` (4 MiB) — when to fold the log into
@@ -111,10 +92,9 @@ class FileKv(DurableKv):
       False gives up ``survives_crash`` (see above).
     * ``io`` — the :class:`~botmesh.core.fileio.FileIO` doing the OS calls (faults).
 
-    Differences from ``MemoryKv`` only for inputs it would not be able to store:
-    ``scope``/``space``/``key`` must be ``str`` and index scores numbers (``TypeError``);
-    a NaN score, an int score too large for a float, and a value nesting deeper than
-    :data:`~botmesh.core.file_format.MAX_VALUE_DEPTH` (128) levels raise ``ValueError``
+    Its arguments are checked as every built-in kv checks them
+    (:mod:`botmesh.core.inputs`); besides, a value nesting deeper than
+    :data:`~botmesh.core.file_format.MAX_VALUE_DEPTH` (128) levels raises ``ValueError``
     naming it (the reader refuses such lines as damage, so they are never written).
     Calls before :meth:`open` raise ``BackendUnavailableError``, as the contract says.
     """
@@ -132,7 +112,14 @@ class FileKv(DurableKv):
         io: FileIO | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
-            raise ConfigError(f"path must be a non-empty str or path, got {path!r}", option="path")
+            raise ConfigError(f"path must be a non-empty str or path, got {path!r}", option="path", value=path)
+        if "\x00" in os.fspath(path):
+            raise ConfigError(f"path must not contain a NUL byte, got {os.fspath(path)!r}", option="path", value=path)
+        try:
+            os.fsencode(path)  # a name the file system's encoding cannot express
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"path cannot be encoded as a file name ({exc.reason}): {os.fspath(path)!r}", option="path",
+                              value=path) from None
         if not isinstance(append_log, bool):
             raise ConfigError(f"append_log must be True or False, got {append_log!r}", option="append_log")
         for option, given in (("compact_every", compact_every), ("compact_bytes", compact_bytes)):
@@ -142,6 +129,9 @@ class FileKv(DurableKv):
             raise ConfigError(f"fsync must be True or False, got {fsync!r}", option="fsync")
         self._io: FileIO = default_io if io is None else io
         self._path: str = self._io.resolve(os.fspath(path))
+        problem = self._io.unusable(self._path, (".log", ".lock", ".tmp"))
+        if problem is not None:
+            raise ConfigError(f"path: {problem}", option="path", value=path)
         self._log_path = self._path + ".log"
         self._lock_path = self._path + ".lock"
         self._append_log = append_log or compact_every is not None or compact_bytes is not None
@@ -268,6 +258,7 @@ class FileKv(DurableKv):
     # -- DurableKv -------------------------------------------------------------------------
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         """See :meth:`DurableKv.get`."""
+        check_record(scope, space, key)
         self._check()
         entry = self._records.get((scope, space), {}).get(key)
         result = None if entry is None else Versioned(copy.deepcopy(entry[0]), entry[1])
@@ -287,14 +278,10 @@ class FileKv(DurableKv):
     ) -> int:
         """See :meth:`DurableKv.put`. The write is on file (and fsync'ed when ``fsync``)
         before it is applied in memory and acknowledged."""
-        self._check()
+        due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
         stored = check_json_object(value)
-        _check_name(scope, "scope")
-        _check_name(space, "space")
-        _check_name(key, "key")
-        due_score = _score(due, "due")
-        expires_score = _score(expires, "expires")
         encoded = encode_value(stored, f"{scope}/{space}/{key}")
+        self._check()
         async with self._write_lock:
             self._check()
             current = self._records.get((scope, space), {}).get(key)
@@ -313,6 +300,7 @@ class FileKv(DurableKv):
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """See :meth:`DurableKv.delete`."""
+        check_delete(scope, space, key, expected_version)
         self._check()
         async with self._write_lock:
             self._check()
@@ -332,8 +320,9 @@ class FileKv(DurableKv):
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
     ) -> list[tuple[float, str]]:
         """See :meth:`DurableKv.range`."""
-        self._check()
+        upto = check_range(scope, space, upto)
         pos = 2 if check_index(index) == "due" else 3
+        self._check()
         entries = sorted(
             (entry[pos], key)
             for key, entry in self._records.get((scope, space), {}).items()
@@ -346,6 +335,7 @@ class FileKv(DurableKv):
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100
     ) -> list[tuple[str, Versioned]]:
         """See :meth:`DurableKv.scan`."""
+        after = check_scan(scope, space, after)
         self._check()
         records = self._records.get((scope, space), {})
         keys = sorted(k for k in records if after is None or k > after)[:limit]

@@ -39,7 +39,28 @@ import os
 import subprocess
 import sys
 
-__all__ = ["FileIO", "default_io"]
+__all__ = ["FileIO", "default_io", "place_problem"]
+
+
+def place_problem(path: str, siblings: tuple[str, ...] = ()) -> str | None:
+    """Why a store cannot keep its file at ``path`` — with ``siblings`` (suffixes of the
+    files it creates beside it: ``".log"``, ``"-wal"`` ...) — or None: ``path`` or a
+    sibling is a directory, its directory is missing, or this process may not create,
+    rename and remove files in that directory or read and write an existing ``path``
+    (``os.access``: also a read-only file system). Checked when a store is built, so that
+    the error can name the option (issue 13); a place that becomes unusable later is
+    an I/O error like any other."""
+    for name in (path, *(path + suffix for suffix in siblings)):
+        if os.path.isdir(name):
+            return f"{name!r} is a directory, not a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"the directory of {path!r} does not exist ({parent!r})"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"files cannot be created in the directory {parent!r} (not writable by this process)"
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        return f"{path!r} is not readable and writable by this process"
+    return None
 
 
 class FileIO:
@@ -50,6 +71,10 @@ class FileIO:
         """The absolute path of ``path`` with symbolic links resolved, so two spellings
         of one file are recognised as the same journal."""
         return os.path.realpath(path)
+
+    def unusable(self, path: str, siblings: tuple[str, ...]) -> str | None:
+        """Why a journal cannot live at ``path`` (:func:`place_problem`), or None."""
+        return place_problem(path, siblings)
 
     # -- reading ------------------------------------------------------------------------
     def read_bytes(self, path: str) -> bytes | None:

@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
+from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .kv_durability import KvDurability
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
@@ -18,7 +19,8 @@ __all__ = ["MemoryDurability", "MemoryKv"]
 
 class MemoryKv(DurableKv):
     """The in-memory reference :class:`DurableKv`: the oracle the conformance suite
-    compares other backends against. Nothing survives the process."""
+    compares other backends against. Nothing survives the process. Its arguments are
+    checked as every built-in kv checks them (:mod:`botmesh.core.inputs`)."""
 
     capabilities = Capabilities()
 
@@ -44,6 +46,7 @@ class MemoryKv(DurableKv):
     # so it is atomic with respect to other tasks; the final sleep(0) keeps it a real
     # suspension point like any I/O-backed implementation.
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        check_record(scope, space, key)
         self._check()
         entry = self._space(scope, space).get(key)
         result = None if entry is None else Versioned(copy.deepcopy(entry[0]), entry[1])
@@ -61,8 +64,9 @@ class MemoryKv(DurableKv):
         due: float | None = None,
         expires: float | None = None,
     ) -> int:
-        self._check()
+        due, expires = check_put(scope, space, key, expected_version, due, expires)
         stored = check_json_object(value)
+        self._check()
         records = self._space(scope, space)
         current = records.get(key)
         current_version = 0 if current is None else current[1]
@@ -74,6 +78,7 @@ class MemoryKv(DurableKv):
         return expected_version + 1
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
+        check_delete(scope, space, key, expected_version)
         self._check()
         records = self._space(scope, space)
         current = records.get(key)
@@ -87,8 +92,9 @@ class MemoryKv(DurableKv):
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
     ) -> list[tuple[float, str]]:
-        self._check()
+        upto = check_range(scope, space, upto)
         pos = 2 if check_index(index) == "due" else 3
+        self._check()
         entries = sorted(
             (entry[pos], key)
             for key, entry in self._space(scope, space).items()
@@ -100,6 +106,7 @@ class MemoryKv(DurableKv):
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100
     ) -> list[tuple[str, Versioned]]:
+        after = check_scan(scope, space, after)
         self._check()
         records = self._space(scope, space)
         keys = sorted(k for k in records if after is None or k > after)[:limit]

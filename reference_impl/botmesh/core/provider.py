@@ -120,7 +120,18 @@ class Provider(ABC):
         a journal (no durability, or ``fail_open``). False when the journal could not
         record it and it was not dispatched (INB-8, fail closed): acknowledge nothing to
         the channel then — answer the webhook with an error status — so that it
-        redelivers; the bot has forgotten the event, so the redelivery is processed."""
+        redelivers; the bot has forgotten the event, so the redelivery is processed.
+
+        It never raises for a journal failure, whatever the backend raised (a full disk,
+        a server gone, a third party's own exception): a write that fails before the
+        event is journaled is the False above; one that fails after it (settling it) is
+        an ``error`` event, the sweep finishes the record and this returns True (INB-2,
+        INB-3). It raises only for a programming error: with durability, an ``id`` that
+        cannot be a journal key (not a non-empty ``str`` of at most 448 characters,
+        valid Unicode without U+0000) raises
+        :class:`~botmesh.core.errors.InvalidKeyError` (a ``ValueError``) naming it, before
+        anything is journaled — a redelivery would not help; without an attached bot,
+        ``BotmeshError``."""
         if self._inbound is None:
             raise BotmeshError("provider is not attached to a running bot")
         return (await self._inbound(event)) is not False

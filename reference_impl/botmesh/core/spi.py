@@ -18,10 +18,22 @@ Records live at ``(scope, space, key)``:
   index entries or versions (SCOPE-2).
 * ``space`` — ``"inbox"`` or ``"outbox"`` (a backend must accept any short
   identifier-like string).
-* ``key`` — a non-empty string up to 512 characters.
+* ``key`` — a non-empty string up to 512 characters, valid Unicode (no lone
+  surrogate) and without U+0000.
 
-A record's value is a JSON object (a ``dict`` whose contents ``json.dumps`` accepts);
-the backend stores and returns it unchanged (a copy: mutating a returned value never
+Arguments outside the contract — a key that is not such a string, a scope or space
+that is not a non-empty string of that kind, an index score that is NaN or not a
+number, an ``expected_version`` that is not an ``int`` from 0 — are refused with
+:class:`~botmesh.core.errors.InvalidKeyError` /
+:class:`~botmesh.core.errors.InvalidArgumentError` (both ``ValueError``) before the
+storage sees them, nothing changed; the checks every built-in kv makes are in
+:mod:`botmesh.core.inputs`. A value outside the contract raises ``TypeError`` or
+``ValueError`` (:func:`check_json_object`), nothing changed.
+
+A record's value is a JSON object (a ``dict`` whose contents ``json.dumps`` accepts)
+nesting at most 128 levels (a flat object is one level): a backend must store every
+such value, and may refuse a deeper one with ``ValueError`` (the file journal does:
+its reader never recurses without bound); the backend stores and returns it unchanged (a copy: mutating a returned value never
 changes what is stored). Each record has a **version**, an integer that is 1 when the
 record is created and grows by exactly 1 with every successful ``put``.
 
@@ -68,6 +80,9 @@ class DurableKv(ABC):
       :class:`~botmesh.core.errors.BackendUnavailableError` (never the driver's type). A
       write that raised ``BackendUnavailableError`` may or may not have been applied; the
       caller re-reads by key (that is why all writes are CAS: replaying one is harmless).
+      No other exception escapes for any input: arguments outside the contract raise
+      ``InvalidKeyError``/``InvalidArgumentError`` (or, for a value, ``TypeError`` /
+      ``ValueError``) and change nothing (see the module docstring).
     * Calls after :meth:`close` raise ``BackendUnavailableError`` (until :meth:`open`
       again). Before the first :meth:`open` a kv may either raise it or open lazily
       (``MemoryKv`` and ``SQLiteKv`` open lazily, ``PostgresKv`` raises); callers open
@@ -154,8 +169,12 @@ class DurableKv(ABC):
 
 def check_json_object(value: Any) -> dict[str, Any]:
     """Deep-copy ``value`` through JSON, raising ``TypeError`` when it is not a JSON
-    object. Backends use it so that what they store is what they return."""
+    object (``ValueError`` for NaN/infinity and for nesting too deep to encode). Backends
+    use it so that what they store is what they return."""
     if not isinstance(value, dict):
         raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
-    result: dict[str, Any] = json.loads(json.dumps(value, allow_nan=False))
+    try:
+        result: dict[str, Any] = json.loads(json.dumps(value, allow_nan=False))
+    except RecursionError:
+        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
     return result

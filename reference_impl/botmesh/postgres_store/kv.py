@@ -105,9 +105,9 @@ closed connection. The limit is per call, so it must exceed the slowest legitima
 single-row statements, and at :meth:`PostgresKv.open` the creation of the table, which
 may wait on the advisory lock for other processes creating it.
 
-Errors: every psycopg / psycopg-pool error, and a key or value psycopg cannot encode
-(e.g. a lone surrogate), is raised as :class:`~botmesh.core.errors.BackendUnavailableError`
-naming the table, the original chained. Calls before :meth:`open` and after
+Errors: arguments outside the contract are refused before any statement, as by every
+built-in kv (:mod:`botmesh.core.inputs`); every psycopg / psycopg-pool error is raised as
+:class:`~botmesh.core.errors.BackendUnavailableError` naming the table, the original chained. Calls before :meth:`open` and after
 :meth:`close` raise ``BackendUnavailableError``.
 
 Simulated death (tests): :meth:`PostgresKv.abandon` drops the kv as a dead process would:
@@ -141,6 +141,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from ..core.errors import BackendUnavailableError, VersionConflict
+from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, value_text
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index
 from ._config import (
     DEFAULT_MAX_SIZE,
@@ -186,19 +187,6 @@ _DRIVER_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, UnicodeError)
 
 _ABANDONED: set[asyncio.Task[None]] = set()
 """Pools of abandoned kvs being closed in the background (see :meth:`PostgresKv.abandon`)."""
-
-
-def _encode(value: Any) -> str:
-    """The JSON text stored for ``value``: what :func:`~botmesh.core.spi.check_json_object`
-    accepts (a dict ``json.dumps`` takes, no NaN/infinity), ASCII only, compact. Raises
-    ``TypeError``/``ValueError`` like ``MemoryKv`` for anything else."""
-    if not isinstance(value, dict):
-        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
-    return json.dumps(value, allow_nan=False, separators=(",", ":"))
-
-
-def _score(score: float | None) -> float | None:
-    return None if score is None else float(score)
 
 
 def _lock_key(name: str) -> int:
@@ -499,6 +487,7 @@ class PostgresKv(DurableKv):
 
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         """The record at ``(scope, space, key)`` with its version, or ``None``."""
+        check_record(scope, space, key)
         s = self._statements("get")
 
         async def work(conn: Conn) -> Any:
@@ -521,9 +510,9 @@ class PostgresKv(DurableKv):
     ) -> int:
         """Compare-and-set in one statement: ``INSERT ... ON CONFLICT DO NOTHING`` for
         ``expected_version=0``, ``UPDATE ... WHERE version = %s`` otherwise."""
+        due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
+        text = value_text(value)
         s = self._statements("put")
-        text = _encode(value)
-        due_score, expires_score = _score(due), _score(expires)
 
         async def work(conn: Conn) -> int | None:
             if expected_version == 0:
@@ -544,6 +533,7 @@ class PostgresKv(DurableKv):
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` (``DELETE ... WHERE version =
         %s``); ``VersionConflict`` when absent or at another version."""
+        check_delete(scope, space, key, expected_version)
         s = self._statements("delete")
 
         async def work(conn: Conn) -> int | None:
@@ -561,10 +551,11 @@ class PostgresKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)``; ``ValueError`` for an unknown index name."""
+        upper = check_range(scope, space, upto)
         column = check_index(index)
         s = self._statements("range")
         limited = _limit_sql(limit)
-        params: tuple[Any, ...] = (scope, space, float(upto), *((limit,) if limited else ()))
+        params: tuple[Any, ...] = (scope, space, upper, *((limit,) if limited else ()))
 
         async def work(conn: Conn) -> list[Any]:
             cursor = await conn.execute(s.range[column, limited], params)
@@ -580,6 +571,7 @@ class PostgresKv(DurableKv):
     ) -> list[tuple[str, Versioned]]:
         """Up to ``limit`` records with key ``> after`` (all when ``after`` is None),
         ascending by key in code-point order (``COLLATE "C"``)."""
+        after = check_scan(scope, space, after)
         s = self._statements("scan")
         limited = _limit_sql(limit)
         params: tuple[Any, ...] = (scope, space, *(() if after is None else (after,)), *((limit,) if limited else ()))

@@ -27,7 +27,10 @@ With the engine's spaces this is ``<prefix>:{durable:inbox:<scope>}`` and
 * ``<prefix>`` may contain no ``{``, ``}``, whitespace or control characters (see
   :func:`check_prefix`), so the first ``{`` of every key opens the hash tag, and two
   prefixes never share keys (after a prefix comes ``:{``, which no prefix contains).
-* Keys and members are UTF-8 bytes (``surrogatepass``, so any Python string works).
+* Keys and members are UTF-8 bytes. Keys, scopes and spaces are checked first as every
+  built-in kv checks them (:mod:`botmesh.core.inputs`: no lone surrogate, no U+0000,
+  a key a non-empty ``str`` of at most 512 characters); ``surrogatepass`` stays for
+  records written by an older version.
   Redis orders members of equal score, and ``ZRANGEBYLEX`` ranges, by comparing bytes;
   for UTF-8 byte order is code-point order, which is what ``range`` (ties by key) and
   ``scan`` promise.
@@ -122,6 +125,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
+from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
 __all__ = [
@@ -369,9 +373,8 @@ def _raise_swallowed_cancel(task: asyncio.Task[Any] | None, cancels: int, cause:
 def _float_arg(name: str, score: float | None) -> bytes:
     if score is None:
         return b""
-    value = float(score)
-    if math.isnan(value):
-        raise ValueError(f"{name} must be a number or None, not NaN")
+    value = check_score(score, name)
+    assert value is not None
     if math.isinf(value):
         return b"+inf" if value > 0 else b"-inf"
     return repr(value).encode("ascii")
@@ -626,6 +629,7 @@ class RedisKv(DurableKv):
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         """The record at ``(scope, space, key)`` with its version, or ``None`` (one
         ``HGET``)."""
+        check_record(scope, space, key)
         keys = self.keys_of(scope, space)
         raw = await self._call("get", lambda c, _: c.hget(keys["records"], _b(key)))
         return None if raw is None else _decode_record(raw, keys["records"], key)
@@ -643,6 +647,7 @@ class RedisKv(DurableKv):
     ) -> int:
         """Compare-and-set (see :meth:`DurableKv.put`), record and both index entries in
         one Lua script."""
+        due, expires = check_put(scope, space, key, expected_version, due, expires)
         text = json.dumps(check_json_object(value), allow_nan=False, separators=(",", ":"))
         keys = self.keys_of(scope, space)
         args = [_b(key), str(int(expected_version)).encode(), text.encode("ascii"), _float_arg("due", due),
@@ -658,6 +663,7 @@ class RedisKv(DurableKv):
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` and its index entries, in
         one Lua script; ``VersionConflict`` when absent or at another version."""
+        check_delete(scope, space, key, expected_version)
         keys = self.keys_of(scope, space)
         args = [_b(key), str(int(expected_version)).encode()]
         ok, version = await self._call(
@@ -673,11 +679,9 @@ class RedisKv(DurableKv):
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)`` (one ``ZRANGEBYSCORE``; Redis orders equal scores by
         member bytes, i.e. by code point)."""
+        upper = check_range(scope, space, upto)
         keys = self.keys_of(scope, space)
         name = keys[check_index(index)]  # ValueError for an unknown name
-        upper = float(upto)
-        if math.isnan(upper):
-            raise ValueError("upto must be a number, not NaN")
         top = "+inf" if upper == math.inf else ("-inf" if upper == -math.inf else repr(upper))
         exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
         rows = await self._call(
@@ -695,6 +699,7 @@ class RedisKv(DurableKv):
         """Up to ``limit`` records with key ``> after`` (all when ``after`` is None),
         ascending by key in code-point order (``ZRANGEBYLEX`` on UTF-8 bytes), keys and
         values read by one script."""
+        after = check_scan(scope, space, after)
         keys = self.keys_of(scope, space)
         low = b"-" if after is None else b"(" + _b(after)
         exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0

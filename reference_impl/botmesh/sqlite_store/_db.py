@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from ..core.errors import BackendUnavailableError, ConfigError
+from ..core.fileio import place_problem
 
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 """How long a connection waits for another connection's write lock before failing."""
@@ -67,7 +68,10 @@ def check_file(file: Any) -> str:
 
     Raises :class:`ConfigError` with ``option="file"`` when ``file`` is not a ``str`` or
     ``os.PathLike``, is empty or ``":memory:"`` (not a file several connections can
-    share), is a directory, or lives in a directory that does not exist.
+    share), holds a NUL byte, is a directory (or its ``-wal``/``-shm``/``-journal`` is),
+    lives in a directory that does not exist or where this process cannot create files
+    (SQLite creates the ``-wal`` and ``-shm`` files there), or exists and is not readable
+    and writable (:func:`botmesh.core.fileio.place_problem`).
     """
     if not isinstance(file, (str, os.PathLike)):
         raise ConfigError(
@@ -86,13 +90,19 @@ def check_file(file: Any) -> str:
             option="file",
             value=file,
         )
+    if "\x00" in path:
+        raise ConfigError(f"option 'file' must not contain a NUL byte, got {path!r}", option="file", value=file)
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"option 'file' cannot be encoded as a file name ({exc.reason}): {path!r}", option="file", value=file
+        ) from None
     if os.path.isdir(path):
         raise ConfigError(f"option 'file' names a directory, not an SQLite file: {path!r}", option="file", value=file)
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ConfigError(
-            f"option 'file': the directory of {path!r} does not exist ({parent!r})", option="file", value=file
-        )
+    problem = place_problem(path, ("-wal", "-shm", "-journal"))
+    if problem is not None:
+        raise ConfigError(f"option 'file': {problem}", option="file", value=file)
     return path
 
 

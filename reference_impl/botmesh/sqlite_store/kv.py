@@ -37,6 +37,7 @@ import threading
 from typing import Any
 
 from ..core.errors import BackendUnavailableError, VersionConflict
+from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
 
@@ -143,6 +144,7 @@ class SQLiteKv(DurableKv):
 
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         """The record at ``(scope, space, key)`` with its version, or ``None``."""
+        check_record(scope, space, key)
         with self._lock:
             conn = self._connection()
             try:
@@ -170,9 +172,10 @@ class SQLiteKv(DurableKv):
         """Compare-and-set (see :meth:`DurableKv.put`): an ``INSERT`` for
         ``expected_version=0``, an ``UPDATE ... WHERE version = ?`` otherwise, in one
         ``BEGIN IMMEDIATE`` transaction."""
+        due, expires = check_put(scope, space, key, expected_version, due, expires)
+        text = json.dumps(check_json_object(value), allow_nan=False)
         with self._lock:
             conn = self._connection()
-            text = json.dumps(check_json_object(value), allow_nan=False)
             new_version = expected_version + 1
             conflict: int | None = None  # the version found, when the CAS failed
             try:
@@ -212,6 +215,7 @@ class SQLiteKv(DurableKv):
         """Remove the record at version ``expected_version`` (``DELETE ... WHERE version
         = ?`` in one ``BEGIN IMMEDIATE`` transaction); ``VersionConflict`` when absent or
         at another version."""
+        check_delete(scope, space, key, expected_version)
         with self._lock:
             conn = self._connection()
             conflict: int | None = None
@@ -239,6 +243,7 @@ class SQLiteKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)``."""
+        upto = check_range(scope, space, upto)
         column = check_index(index)  # ValueError for an unknown name
         sql = (
             f"SELECT {column}, key FROM durable"
@@ -260,6 +265,7 @@ class SQLiteKv(DurableKv):
         """Up to ``limit`` records with key ``> after`` (all when ``after`` is None),
         ascending by key (code-point order: SQLite's binary collation compares UTF-8
         bytes, which sorts like code points)."""
+        after = check_scan(scope, space, after)
         if after is None:
             sql = "SELECT key, value, version FROM durable WHERE scope = ? AND space = ? ORDER BY key"
             params: tuple[Any, ...] = (scope, space)
