@@ -1,0 +1,487 @@
+"""The explorer's world and model, usable from a scenario file: what a story found by
+``explore`` replays, line by line.
+
+:class:`Explorer` wraps a :class:`~botmesh_testkit.scenario.Scenario` (a crash world: a
+channel, a virtual clock, bot incarnations on one backend). Every verb of a story is
+one of its methods; the model of what must have happened is kept beside the world, in
+plain Python, and :meth:`Explorer.check` (after every step) and :meth:`Explorer.finish`
+(at the end) compare the two. A story file looks like::
+
+    from botmesh_testkit.explore.story import Explorer, reply, enqueue
+    from botmesh_testkit.scenario import scenario
+
+    @scenario("OUT-12", "OUT-2")
+    async def explore_story(s):
+        x = Explorer(s, text_limit=8)
+        await x.start()
+        await x.receive("c1", "m1", [reply("m1.0", key="a#2")])
+        await x.receive("c1", "m2", [reply("m2.0 a long text", key="a")])
+        await x.finish()
+
+The handler every incarnation runs is the *plan handler*: the message ``m1`` does what
+its plan (the actions given with its first delivery) says — replies under derived or
+explicit keys (a text longer than the channel's limit is split, OUT-12), replies whose
+content cannot be journaled (a NaN: bypasses the outbox, OUT-15), concurrent enqueues of
+one key (OUT-10), a raise on its first n executions (the record is done all the same,
+INB-6: a reprocessing after a crash runs it again, INB-9). A send the channel refuses
+for good ends in the outbox's DLQ; the handler catches
+:class:`~botmesh.core.errors.SendFailedError` and
+:class:`~botmesh.core.errors.SendDeferredError`, as a careful handler does, and the
+model checks the key each names (OUT-9).
+
+What the model requires (each violation names its ids):
+
+* every message the channel delivered is acknowledged in the end (redelivered until it
+  is: INB-1, INB-8) and ends ``done`` — only after an execution of its handler ran to
+  its end, returning or raising (INB-2, INB-6: a handler that raises is not retried) —
+  or ``dead``, only when none ever finished and the process died at least
+  ``inbox.max_attempts`` times (INB-7, GUAR-7); ``dead`` ones, and only they, are in
+  the inbox DLQ;
+* every journaled send of a ``done`` message reached the channel exactly once — each
+  part of a split text once, in order — or is accounted for: an ambiguous part
+  (``durability:ambiguous``, OUT-14) at most once under ``skip`` and at least once under
+  ``resend``; a send to a chat that refuses for good is in the outbox DLQ instead
+  (GUAR-1, GUAR-3, OUT-2, OUT-7, OUT-12, OUT-13);
+* sends under one key are one send: only one text per key ever reaches the channel
+  (OUT-2, OUT-3) — a part of a split text never takes the place of a user's key (OUT-12);
+* a send that cannot be journaled reaches the channel once per execution that made it,
+  never silently not at all (OUT-15);
+* the ``before("send")`` hooks run at most once per journaled send and incarnation,
+  however many concurrent enqueues of its key there are (OUT-10);
+* nothing reaches the channel that no handler sent, and no part twice unless an
+  ambiguity event named it (after every step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from botmesh.core import content as contentlib
+from botmesh.core.errors import SendDeferredError, SendFailedError
+from botmesh.core.provider import InboundEvent, ProviderError, RateLimitedError, RecipientUnreachableError
+from botmesh.core.testing import SimulatedCrash
+
+__all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
+
+INBOX_MAX_ATTEMPTS = 3
+"""``inbox.max_attempts`` of the explored bots (small, so that the DLQ is reached)."""
+OUTBOX_RETRIES = 12
+"""``outbox.retries`` of the explored bots: above the transient faults an example can
+inject (:data:`MAX_TRANSIENT`), so a send dies only of a definitive refusal."""
+MAX_TRANSIENT = 6
+FINISH_MS = 3_600_000.0
+"""Virtual time :meth:`Explorer.finish` lets pass (past every retry and rate limit)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a message's handler does (build them with :func:`reply`,
+    :func:`reply_nan`, :func:`enqueue`, :func:`fail`)."""
+
+    kind: str
+    text: str = ""
+    key: str | None = None
+    n: int = 1
+
+    def __repr__(self) -> str:
+        if self.kind == "fail":
+            return f"fail({self.n})"
+        args = [repr(self.text)]
+        if self.key is not None:
+            args.append(f"key={self.key!r}")
+        if self.kind == "enqueue":
+            args.append(f"n={self.n}")
+        return f"{self.kind}({', '.join(args)})"
+
+
+def reply(text: str, key: str | None = None) -> Action:
+    """``await ctx.reply(text, idempotency_key=key)``."""
+    return Action("reply", text, key)
+
+
+def reply_nan(text: str, key: str | None = None) -> Action:
+    """``await ctx.reply({"text": text, "ratio": nan})``: content JSON cannot carry."""
+    return Action("reply_nan", text, key)
+
+
+def enqueue(text: str, key: str, n: int = 2) -> Action:
+    """``n`` concurrent ``bot.enqueue(chat, text, idempotency_key=key)``."""
+    return Action("enqueue", text, key, n)
+
+
+def fail(times: int) -> Action:
+    """Raise here on the first ``times`` executions that reach this point."""
+    return Action("fail", n=times)
+
+
+class ExploreViolation(AssertionError):
+    """What the model requires did not hold: ``ids`` are the requirement ids broken."""
+
+    def __init__(self, ids: Sequence[str], message: str) -> None:
+        super().__init__(f"[{', '.join(ids)}] {message}")
+        self.ids = tuple(ids)
+        self.message = message
+
+
+@dataclass
+class _Message:
+    chat: str
+    mid: str
+    actions: tuple[Action, ...]
+    acked: bool = False
+    executions: int = 0
+    raised: int = 0
+    completed: int = 0
+    fail_passes: Counter[int] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class _Send:
+    mid: str
+    index: int
+    chat: str
+    text: str
+    key: str | None
+    kind: str
+
+
+class Explorer:
+    """A scenario's world driven by explore's verbs, with the model beside it (see the
+    module docstring). ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the
+    channel's limit (None: no split)."""
+
+    def __init__(self, s: Any, *, text_limit: int | None = None, policy: str = "skip",
+                 on_diverged: str = "send") -> None:
+        self.s = s
+        self.world = s.world
+        self.world.channel.text_limit = text_limit
+        self.text_limit = text_limit
+        self.policy = policy
+        s.configure(inbox={"max_attempts": INBOX_MAX_ATTEMPTS},
+                    outbox={"on_ambiguous": policy, "retries": OUTBOX_RETRIES, "on_diverged": on_diverged})
+        self.messages: dict[str, _Message] = {}
+        self.order: list[str] = []
+        self.hooks: Counter[tuple[int, str]] = Counter()
+        self.bypass_ok: Counter[str] = Counter()
+        self.bypass_reached: Counter[str] = Counter()
+        self.key_errors: list[str] = []
+        self.dead_chats: set[str] = set()
+        self.crashes = 0
+        self.instance = 1
+        self.transient = 0
+        s.setup(self._install)
+
+    # -- the bot --------------------------------------------------------------------------
+    def _install(self, bot: Any) -> None:
+        incarnation = self.world.incarnations + 1
+
+        def hook(chat_id: str, content: dict[str, Any]) -> None:
+            self.hooks[(incarnation, str(content.get("text", "")))] += 1
+
+        bot.before("send")(hook)
+
+        bot.otherwise(self._handle)
+
+    async def _handle(self, ctx: Any) -> None:
+        msg = self.messages.get(ctx.event.id)
+        if msg is None:
+            return
+        msg.executions += 1
+        derived = 0
+        try:
+            for i, act in enumerate(msg.actions):
+                if act.kind == "fail":
+                    if msg.fail_passes[i] < act.n:
+                        msg.fail_passes[i] += 1
+                        raise RuntimeError(f"explore: {msg.mid} fails at action {i}")
+                    continue
+                if act.kind == "enqueue":
+                    assert act.key is not None
+                    await asyncio.gather(*(ctx.bot.enqueue(ctx.chat_id, act.text, idempotency_key=act.key)
+                                           for _ in range(act.n)))
+                    continue
+                if act.key is None:
+                    derived += 1
+                expected = act.key if act.key is not None else f"{ctx.record_id}:{derived}"
+                body: Any = act.text if act.kind == "reply" else {"text": act.text, "ratio": float("nan")}
+                if act.kind == "reply_nan":
+                    self.bypass_reached[act.text] += 1
+                try:
+                    await ctx.reply(body, idempotency_key=act.key)
+                    if act.kind == "reply_nan":
+                        self.bypass_ok[act.text] += 1
+                except (SendFailedError, SendDeferredError) as exc:
+                    if exc.key != expected:
+                        self.key_errors.append(f"{type(exc).__name__} of the send under {expected!r} names the key "
+                                               f"{exc.key!r}")
+                except ProviderError:
+                    if act.kind != "reply_nan":  # a bypassed send has no retry: its error reaches the handler
+                        raise
+        except Exception:
+            msg.raised += 1
+            raise
+        msg.completed += 1
+
+    # -- verbs ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the first incarnation (dying where :meth:`crash_in` arms)."""
+        await self.world.start(crash=True)
+
+    async def _deliver(self, msg: _Message) -> None:
+        if self.world.crashed:
+            return
+        event = InboundEvent(id=msg.mid, chat_id=msg.chat, text=msg.mid)
+        try:
+            ok = await self.world.drive(self.world.bot.provider.deliver(event))
+        except SimulatedCrash:
+            self.crashes += 1
+            return
+        if ok:
+            msg.acked = True
+
+    async def receive(self, chat: str, mid: str, actions: Sequence[Action]) -> None:
+        """The channel delivers message ``mid`` (its plan: ``actions``)."""
+        if mid not in self.messages:
+            self.messages[mid] = _Message(chat, mid, tuple(actions))
+            self.order.append(mid)
+        await self._deliver(self.messages[mid])
+        self.check()
+
+    async def redeliver(self, mid: str) -> None:
+        """The channel delivers ``mid`` again (a webhook retry, INB-4)."""
+        await self._deliver(self.messages[mid])
+        self.check()
+
+    async def crash_in(self, n: int, when: str = "before") -> None:
+        """Arm a death ``when`` the ``n``-th crash point from now (any point)."""
+        cb = self.world.crashable
+        if cb is not None and not cb.crashed:
+            cb.crash_at(cb._total + n, when)
+
+    async def restart(self, new_instance: bool = False) -> None:
+        """The process dies (if it has not) and the next starts — with another
+        ``instance_id`` when ``new_instance`` — then the channel redelivers every
+        message it has not had acknowledged."""
+        if new_instance:
+            self.instance += 1
+            self.world.instance_id = f"i{self.instance}"
+        if self.world.bot is not None:
+            await self.world.bot.abandon()
+        await self.world.start(crash=True)
+        for mid in self.order:
+            if not self.messages[mid].acked:
+                await self._deliver(self.messages[mid])
+        self.check()
+
+    async def fault(self, kind: str, chat: str | None = None, times: int = 1) -> None:
+        """The channel fails: ``transient`` (the next ``times`` sends), ``rate`` (rate
+        limited, retry after 20 s), ``refuse`` (every send to ``chat`` from now on,
+        definitively)."""
+        ch = self.world.channel
+        if kind == "refuse":
+            assert chat is not None
+            self.dead_chats.add(chat)
+            ch.fail_when(lambda c, _content, chat=chat: c == chat, RecipientUnreachableError(f"explore: {chat} blocked"))
+            return
+        times = max(0, min(times, MAX_TRANSIENT - self.transient))
+        self.transient += times
+        if times:
+            error = ProviderError("explore: transient") if kind == "transient" else RateLimitedError(retry_after_ms=20_000)
+            ch.fail_next(error, times=times)
+
+    async def advance(self, ms: float) -> None:
+        """Let ``ms`` of virtual time pass."""
+        if not self.world.crashed:
+            try:
+                await self.world.clock.advance(ms)
+            except SimulatedCrash:
+                self.crashes += 1
+        self.check()
+
+    async def finish(self) -> None:
+        """The end of the story: a dead process is restarted, every message is
+        redelivered until acknowledged, time passes until everything settled; then the
+        model's whole check."""
+        for _ in range(4):
+            if self.world.crashed:
+                await self.restart()
+            elif any(not self.messages[m].acked for m in self.order):
+                for mid in self.order:
+                    if not self.messages[mid].acked:
+                        await self._deliver(self.messages[mid])
+            if not self.world.crashed:
+                await self.world.drain(FINISH_MS)
+            if not self.world.crashed:
+                break
+        if self.world.crashed:
+            await self.restart()
+            await self.world.drain(FINISH_MS)
+        await self.final_check()
+
+    # -- the model ------------------------------------------------------------------------
+    def _parts(self, text: str) -> list[str]:
+        return contentlib.split_text(text, self.text_limit) if self.text_limit else [text]
+
+    def _sends(self) -> list[_Send]:
+        out = []
+        for mid in self.order:
+            msg = self.messages[mid]
+            for i, act in enumerate(msg.actions):
+                if act.kind in ("reply", "reply_nan", "enqueue"):
+                    out.append(_Send(mid, i, msg.chat, act.text, act.key, act.kind))
+        return out
+
+    def _reached(self, send: _Send, done: set[str]) -> bool:
+        """Whether the handler certainly made ``send``: every action of a message that
+        ended ``done``, and those before the raise of one that raised."""
+        msg = self.messages[send.mid]
+        if send.mid not in done:
+            return False
+        first_fail = next((i for i, a in enumerate(msg.actions) if a.kind == "fail"), len(msg.actions))
+        return msg.completed > 0 or (msg.raised > 0 and send.index < first_fail)
+
+    def _key_of(self, send: _Send) -> str:
+        """The send's key: the one given, or the derived ``<record id>:<n>`` (OUT-3)."""
+        if send.key is not None:
+            return send.key
+        msg = self.messages[send.mid]
+        n = sum(1 for a in msg.actions[: send.index + 1] if a.kind in ("reply", "reply_nan") and a.key is None)
+        return f"{send.mid}:{n}"
+
+    def _ambiguous_keys(self) -> set[str]:
+        return {str(p.get("key")) for p in self.world.named("durability:ambiguous")}
+
+    def _delivered(self) -> Counter[tuple[str, str]]:
+        return Counter((m.chat_id, str(m.content.get("text"))) for m in self.world.channel.sent)
+
+    def check(self) -> None:
+        """What must hold after every step: nothing reached the channel that no handler
+        sent; no part twice unless an ambiguity named it; a bypassed send no more often
+        than executions made it; the hooks; the keys named by errors."""
+        got = self._delivered()
+        possible: dict[tuple[str, str], _Send] = {}
+        for send in self._sends():
+            for part in self._parts(send.text):
+                possible[(send.chat, part)] = send
+        ambiguous = self._ambiguous_keys()
+        for (chat, text), n in got.items():
+            found = possible.get((chat, text))
+            if found is None:
+                raise ExploreViolation(("GUAR-3", "OUT-2"), f"{text!r} reached chat {chat!r}, which no handler sent")
+            if found.kind == "reply_nan":
+                if n > self.bypass_reached[found.text]:
+                    raise ExploreViolation(("OUT-15",), f"the unjournaled send {text!r} reached the channel {n} times, "
+                                           f"more than the {self.bypass_reached[found.text]} executions that made it")
+            elif n > 1 and not (ambiguous and self.policy == "resend"):
+                raise ExploreViolation(("GUAR-3", "OUT-2", "OUT-12"),
+                                       f"{text!r} (message {found.mid}, action {found.index}) reached chat {chat!r} {n} "
+                                       "times" + (f"; ambiguity events named {sorted(ambiguous)}" if ambiguous else ""))
+        self._check_hooks()
+        if self.key_errors:
+            raise ExploreViolation(("OUT-9",), self.key_errors[0])
+
+    def _check_hooks(self) -> None:
+        journaled = {s.text for s in self._sends() if s.kind != "reply_nan"}
+        for (incarnation, text), n in sorted(self.hooks.items()):
+            if text in journaled and n > 1:
+                raise ExploreViolation(("OUT-10",), f"the before('send') hooks ran {n} times for the send {text!r} in "
+                                       f"incarnation {incarnation}: once per journaled send")
+
+    async def final_check(self) -> None:
+        """The model's whole check at the end (see the module docstring)."""
+        self.check()
+        d = self.world.bot.durability
+        inbox = {r.id: r for r in await d.inbox.list()}
+        outbox = await d.outbox.list()
+        dead_out = {r.key: r for r in outbox if r.state == "dead"}
+        dead_in = {r.id for r in await d.inbox.list("dead")}
+        got = self._delivered()
+        position = {(m.chat_id, str(m.content.get("text"))): i for i, m in reversed(list(enumerate(self.world.channel.sent)))}
+        ambiguous = self._ambiguous_keys()
+        done: set[str] = set()
+        for mid in self.order:
+            msg = self.messages[mid]
+            if not msg.acked:
+                raise ExploreViolation(("INB-1", "INB-8"), f"message {mid} was never acknowledged, though the channel "
+                                       "redelivered it after every restart")
+            rec = inbox.get(mid)
+            if rec is None or rec.state not in ("done", "dead"):
+                raise ExploreViolation(("INB-1", "INB-2", "GUAR-1"),
+                                       f"message {mid} was acknowledged and ended {rec.state if rec else 'missing'!r}")
+            finished = msg.completed + msg.raised
+            if rec.state == "done" and finished == 0:
+                raise ExploreViolation(("INB-2", "INB-3"), f"message {mid} is 'done' but its handler never ran to its "
+                                       f"end ({msg.executions} execution(s) started, every one cut short)")
+            if rec.state == "dead" and (finished or self.crashes < INBOX_MAX_ATTEMPTS):
+                raise ExploreViolation(("INB-6", "INB-7", "GUAR-7"),
+                                       f"message {mid} went to the DLQ after {msg.executions} execution(s), "
+                                       f"{finished} of them finished, {self.crashes} death(s) in all "
+                                       f"(inbox.max_attempts={INBOX_MAX_ATTEMPTS}): only executions that never "
+                                       "finish are charged, and a handler that raises is not retried")
+            if (rec.state == "dead") != (mid in dead_in):
+                raise ExploreViolation(("INB-6", "OPS-2"), f"message {mid} is {rec.state!r} but the inbox DLQ "
+                                       f"{'does not hold' if rec.state == 'dead' else 'holds'} it")
+            if rec.state == "done":
+                done.add(mid)
+        reached = [send for send in self._sends() if self._reached(send, done)]
+        for send in reached:
+            if send.kind == "reply_nan":
+                n = got[(send.chat, send.text)]
+                if n < self.bypass_ok[send.text]:
+                    raise ExploreViolation(("OUT-15",), f"the send {send.text!r}, whose content cannot be journaled, "
+                                           f"returned {self.bypass_ok[send.text]} times and reached the channel {n} times")
+        explicit: dict[str, list[_Send]] = defaultdict(list)
+        derived_keys: set[str] = set()
+        exact: list[_Send] = []
+        for send in reached:
+            if send.kind == "reply_nan":
+                continue
+            key = self._key_of(send)
+            if send.key is None:
+                derived_keys.add(key)
+                exact.append(send)  # a derived send under a key taken already diverges (OUT-5): sent all the same
+            else:
+                explicit[key].append(send)
+        for key, sends in explicit.items():
+            arrived = sorted({s.text for s in sends if any(got[(s.chat, p)] for p in self._parts(s.text))})
+            if len(arrived) > 1:
+                raise ExploreViolation(("OUT-2", "OUT-3", "OUT-12"), f"sends under the one key {key!r} are one send, "
+                                       f"but {len(arrived)} of them reached the channel: {arrived}")
+            if arrived:
+                exact.extend(s for s in sends if s.text == arrived[0])
+            elif (key not in derived_keys and not ambiguous and not any(s.chat in self.dead_chats for s in sends)
+                  and not any(contentlib.send_key_of(k, r.part) == key for k, r in dead_out.items())):
+                raise ExploreViolation(("GUAR-1", "OUT-2", "OUT-12"),
+                                       f"nothing sent under the key {key!r} reached the channel, though "
+                                       + ", ".join(f"message {s.mid} sent {s.text!r} under it" for s in sends))
+        seen: set[tuple[str, str]] = set()
+        for send in exact:
+            if send.chat in self.dead_chats or (send.chat, send.text) in seen:
+                continue
+            seen.add((send.chat, send.text))
+            parts = self._parts(send.text)
+            counts = [got[(send.chat, p)] for p in parts]
+            if all(c == 1 for c in counts):
+                positions = [position[(send.chat, p)] for p in parts]
+                if positions != sorted(positions):
+                    raise ExploreViolation(("OUT-11", "OUT-12"), f"the parts of {send.text!r} reached the channel out "
+                                           f"of order: {[p for _, p in sorted(zip(positions, parts, strict=True))]}")
+                continue
+            if ambiguous:
+                if self.policy == "skip" and all(c <= 1 for c in counts):
+                    continue
+                if self.policy == "resend" and all(1 <= c <= 2 for c in counts):
+                    continue
+            raise ExploreViolation(("GUAR-1", "GUAR-3", "OUT-12", "OUT-14"),
+                                   f"the send {send.text!r} of message {send.mid} (key {self._key_of(send)!r}) must "
+                                   f"reach chat {send.chat!r} exactly once per part: parts {parts!r} arrived {counts} "
+                                   "times" + (f"; ambiguity events named {sorted(ambiguous)}" if ambiguous else ""))
+        for key, rec in dead_out.items():
+            if rec.chat_id not in self.dead_chats:
+                raise ExploreViolation(("OUT-7", "OPS-2"), f"the send {key!r} to chat {rec.chat_id!r} is in the outbox "
+                                       "DLQ, though that chat never refused a send for good and every transient fault "
+                                       f"was below outbox.retries={OUTBOX_RETRIES}")
