@@ -168,11 +168,13 @@ class Explorer:
         self.hooks: Counter[tuple[int, str]] = Counter()
         self.bypass_ok: Counter[str] = Counter()
         self.bypass_reached: Counter[str] = Counter()
-        self.key_errors: list[str] = []
+        self.key_errors: list[tuple[str, str, str, str, bool]] = []
+        """(error, key expected, key named, text, derived) of an error naming another key."""
         self.dead_chats: set[str] = set()
         self.crashes = 0
         self.instance = 1
         self.transient = 0
+        self._inflight: set[asyncio.Future[Any]] = set()
         s.setup(self._install)
 
     # -- the bot --------------------------------------------------------------------------
@@ -201,8 +203,12 @@ class Explorer:
                     continue
                 if act.kind == "enqueue":
                     assert act.key is not None
-                    await asyncio.gather(*(ctx.bot.enqueue(ctx.chat_id, act.text, idempotency_key=act.key)
-                                           for _ in range(act.n)))
+                    # waiting on its own subtasks, the handler is not busy work: when they all
+                    # wait for the clock (a send of the key sleeping on its backoff holds the key's
+                    # lock), virtual time must be able to move
+                    with self.world.clock.waiting():
+                        await asyncio.gather(*(ctx.bot.enqueue(ctx.chat_id, act.text, idempotency_key=act.key)
+                                               for _ in range(act.n)))
                     continue
                 if act.key is None:
                     derived += 1
@@ -216,8 +222,10 @@ class Explorer:
                         self.bypass_ok[act.text] += 1
                 except (SendFailedError, SendDeferredError) as exc:
                     if exc.key != expected:
-                        self.key_errors.append(f"{type(exc).__name__} of the send under {expected!r} names the key "
-                                               f"{exc.key!r}")
+                        # a derived send that diverged (OUT-5, on_diverged=send) is journaled under a new
+                        # key: the error must name that one, which the end checks against the outbox
+                        self.key_errors.append((type(exc).__name__, expected, str(exc.key), act.text,
+                                                act.key is None))
                 except ProviderError:
                     if act.kind != "reply_nan":  # a bypassed send has no retry: its error reaches the handler
                         raise
@@ -235,13 +243,28 @@ class Explorer:
         if self.world.crashed:
             return
         event = InboundEvent(id=msg.mid, chat_id=msg.chat, text=msg.mid)
+        task = asyncio.ensure_future(self.world.bot.provider.deliver(event))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
         try:
-            ok = await self.world.drive(self.world.bot.provider.deliver(event))
+            ok = await self.world.drive(task)
         except SimulatedCrash:
             self.crashes += 1
             return
         if ok:
             msg.acked = True
+
+    async def _bury(self) -> None:
+        """Cancel what the dead incarnation still had running outside its bot's own tasks
+        (which ``abandon`` cancels): a delivery whose handler awaits work that will never
+        finish. A dead process runs nothing; left alive, such a task keeps the virtual
+        clock busy for good, and the next incarnation could never let time pass."""
+        left = [t for t in self._inflight if not t.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+        self._inflight.clear()
 
     async def receive(self, chat: str, mid: str, actions: Sequence[Action]) -> None:
         """The channel delivers message ``mid`` (its plan: ``actions``)."""
@@ -271,6 +294,7 @@ class Explorer:
             self.world.instance_id = f"i{self.instance}"
         if self.world.bot is not None:
             await self.world.bot.abandon()
+        await self._bury()
         await self.world.start(crash=True)
         for mid in self.order:
             if not self.messages[mid].acked:
@@ -323,8 +347,12 @@ class Explorer:
         await self.final_check()
 
     # -- the model ------------------------------------------------------------------------
-    def _parts(self, text: str) -> list[str]:
-        return contentlib.split_text(text, self.text_limit) if self.text_limit else [text]
+    def _parts(self, text: str, kind: str = "reply") -> list[str]:
+        """The parts ``text`` reaches the channel as: split when journaled (OUT-12), whole
+        when it bypasses the outbox (OUT-15: no record, so no part records)."""
+        if kind == "reply_nan" or not self.text_limit:
+            return [text]
+        return contentlib.split_text(text, self.text_limit)
 
     def _sends(self) -> list[_Send]:
         out = []
@@ -365,7 +393,7 @@ class Explorer:
         got = self._delivered()
         possible: dict[tuple[str, str], _Send] = {}
         for send in self._sends():
-            for part in self._parts(send.text):
+            for part in self._parts(send.text, send.kind):
                 possible[(send.chat, part)] = send
         ambiguous = self._ambiguous_keys()
         for (chat, text), n in got.items():
@@ -381,8 +409,10 @@ class Explorer:
                                        f"{text!r} (message {found.mid}, action {found.index}) reached chat {chat!r} {n} "
                                        "times" + (f"; ambiguity events named {sorted(ambiguous)}" if ambiguous else ""))
         self._check_hooks()
-        if self.key_errors:
-            raise ExploreViolation(("OUT-9",), self.key_errors[0])
+        for error, expected, named, _text, derived in self.key_errors:
+            if not derived:
+                raise ExploreViolation(("OUT-9",), f"{error} of the send under the key {expected!r} names the key "
+                                       f"{named!r}: the outbox key of a send with an explicit key is that key")
 
     def _check_hooks(self) -> None:
         journaled = {s.text for s in self._sends() if s.kind != "reply_nan"}
@@ -427,6 +457,12 @@ class Explorer:
                                        f"{'does not hold' if rec.state == 'dead' else 'holds'} it")
             if rec.state == "done":
                 done.add(mid)
+        for error, expected, named, text, _derived in self.key_errors:
+            texts = set(self._parts(text))
+            if not any(contentlib.send_key_of(r.key, r.part) == named and str(r.content.get("text")) in texts
+                       for r in outbox):
+                raise ExploreViolation(("OUT-9", "OUT-5"), f"{error} of the send {text!r} (derived key {expected!r}) "
+                                       f"names the key {named!r}, under which the outbox journals no part of it")
         reached = [send for send in self._sends() if self._reached(send, done)]
         for send in reached:
             if send.kind == "reply_nan":

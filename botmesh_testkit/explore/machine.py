@@ -1,0 +1,319 @@
+"""Explore: Hypothesis's stateful testing drives an :class:`~.story.Explorer` through
+generated stories on one backend, and a failing story, shrunk, is written out as a
+scenario file that fails the same way.
+
+A story is a sequence of steps, each a verb of the Explorer: a message received (its plan
+drawn: replies under derived keys or adversarial explicit ones — ``"a"`` beside
+``"a#2"``, a user's key that looks like a derived one, unicode, 448 characters — texts
+split by the channel, unjournaled content, concurrent enqueues of one key, a handler that
+raises), a redelivery, a channel fault (transient, rate limited, a chat that refuses for
+good), a death armed at the n-th crash point from now, a restart (with another
+``instance_id`` or the same), virtual time passing. The model is checked after every
+step and at the end (:meth:`~.story.Explorer.finish`). Each example runs in a fresh
+temporary directory, with its own event loop; each step has a real-time budget
+(:data:`STEP_SECONDS`: a step that hangs is a failure).
+
+Budget and reproduction: :func:`explore` runs at most ``examples`` examples and stops
+starting new ones once ``seconds`` have passed (checked between chunks of
+:data:`CHUNK` examples, each chunk seeded ``seed + i``, so a run that was not cut by
+time is the same run again under the same seed). With a ``database`` directory
+(the plugin's: ``.pytest_cache/d/botmesh-explore/<backend>``) a failure found once is
+replayed first by the next run, as Hypothesis does. Shrinking a failure is
+Hypothesis's: it may take longer than the budget (each replay of a hanging step costs
+:data:`STEP_SECONDS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .story import Action, Explorer, ExploreViolation, enqueue, fail, reply, reply_nan
+
+__all__ = ["ExploreFailure", "ExploreRun", "explore", "render_story"]
+
+STEP_SECONDS = 60.0
+"""Real seconds one step may take (the world runs on a virtual clock: only a backend
+that hangs comes near it)."""
+CHUNK = 10
+SHRINK_SECONDS = 60.0
+"""Real seconds a failure is shrunk for at most (then the smallest story so far is the one
+reported)."""
+STEPS = 25
+"""Steps per example at most (Hypothesis's ``stateful_step_count``)."""
+CHATS = ("c1", "c2", "c3")
+KEYS = ("a", "a#2", "order", "order#2", "m1:1", "m2:1", "clé-ключ", "k" * 448)
+"""Explicit keys a plan draws from: two that differ only by a suffix a part key could
+take (``#2``), a user's key equal to a derived one (``m1:1``), unicode, the longest id
+(448 characters)."""
+TEXT_LIMITS = (None, 16, 24)
+ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
+"""Virtual time a step lets pass, ms (the sweep runs every ``poll_ms``, 1 s: ten minutes
+are 600 sweeps; longer waits are the end's :meth:`~.story.Explorer.finish`)."""
+IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-6", "INB-7", "INB-8", "OUT-2", "OUT-3", "OUT-5",
+       "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15")
+"""The requirement ids the explorer's model checks (its item's ``spec`` marker)."""
+
+STORY_IMPORTS = ("from botmesh_testkit.explore.story import Explorer, enqueue, fail, reply, reply_nan\n"
+                 "from botmesh_testkit.scenario import scenario\n")
+
+
+@dataclass
+class ExploreFailure:
+    """The story that broke the model (the last, shrunk, one Hypothesis replayed)."""
+
+    ids: tuple[str, ...]
+    message: str
+    lines: list[str]
+    """The story's verbs as scenario lines (``await x.receive(...)``), the failing one last."""
+    policy: str
+    text_limit: int | None
+
+
+@dataclass
+class ExploreRun:
+    """What :func:`explore` did: examples and steps run, and the failure if any."""
+
+    backend: str
+    seed: int
+    examples: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    cut_by_time: bool = False
+    failure: ExploreFailure | None = None
+    story_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+    def summary(self) -> str:
+        head = (f"explore on {self.backend}, seed {self.seed}: {self.examples} stories, {self.steps} steps "
+                f"in {self.seconds:.1f} s")
+        if self.cut_by_time:
+            head += " (stopped by the time budget)"
+        return head + (": passed" if self.passed else ": FAILED")
+
+
+class _Recorder:
+    """What the examples of one :func:`explore` call share: counts, the last failing story."""
+
+    def __init__(self) -> None:
+        self.examples = 0
+        self.steps = 0
+        self.failure: ExploreFailure | None = None
+        self.found_after: int | None = None
+        """Examples run when the first failure was seen (before shrinking)."""
+
+
+def _text(mid: str, index: int, words: int) -> str:
+    # unique words: no part of a split text can equal a part of another text
+    return " ".join(f"{mid}.{index}.{j}" for j in range(words))
+
+
+def _plan(mid: str, drawn: list[tuple[Any, ...]]) -> list[Action]:
+    out: list[Action] = []
+    for i, spec in enumerate(drawn):
+        kind = spec[0]
+        if kind == "fail":
+            out.append(fail(spec[1]))
+        elif kind == "enqueue":
+            out.append(enqueue(_text(mid, i, spec[2]), key=spec[1], n=spec[3]))
+        elif kind == "reply_nan":
+            out.append(reply_nan(_text(mid, i, spec[2]), key=spec[1]))
+        else:
+            out.append(reply(_text(mid, i, spec[2]), key=spec[1]))
+    return out
+
+
+def _machine(backend: str, recorder: _Recorder) -> type:
+    """The state machine class of one backend (built here: Hypothesis is imported only
+    when explore runs)."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+    from ..backends.registry import resolve
+    from ..scenario.api import Scenario
+
+    maybe_key = st.one_of(st.none(), st.none(), st.sampled_from(KEYS))
+    words = st.integers(1, 6)
+    action = st.one_of(
+        st.tuples(st.just("reply"), maybe_key, words),
+        st.tuples(st.just("reply"), maybe_key, words),
+        st.tuples(st.just("reply_nan"), maybe_key, words),
+        st.tuples(st.just("enqueue"), st.sampled_from(KEYS), words, st.integers(2, 3)),
+        st.tuples(st.just("fail"), st.integers(1, 2)),
+    )
+
+    class ExploreMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tmp = tempfile.TemporaryDirectory(prefix="botmesh-explore-")
+            self.loop = asyncio.new_event_loop()
+            self.x: Explorer | None = None
+            self.lines: list[str] = []
+            self.policy = "skip"
+            self.text_limit: int | None = None
+            self.failed = False
+            recorder.examples += 1
+
+        def _step(self, line: str, make: Callable[[Explorer], Coroutine[Any, Any, None]]) -> None:
+            assert self.x is not None
+            self.lines.append(line)
+            recorder.steps += 1
+            try:
+                self.loop.run_until_complete(asyncio.wait_for(make(self.x), STEP_SECONDS))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # a SimulatedCrash that escaped a verb is a failure too
+                self.failed = True
+                if isinstance(exc, TimeoutError):
+                    exc = ExploreViolation(("GUAR-1",), f"the step `{line}` did not finish within {STEP_SECONDS:g} "
+                                           "real seconds (the world runs on a virtual clock: the backend hangs)")
+                ids = exc.ids if isinstance(exc, ExploreViolation) else ()
+                message = exc.message if isinstance(exc, ExploreViolation) else f"{type(exc).__name__}: {exc}"
+                recorder.failure = ExploreFailure(ids, message, list(self.lines), self.policy, self.text_limit)
+                if recorder.found_after is None:
+                    recorder.found_after = recorder.examples
+                raise exc from None
+
+        @initialize(policy=st.sampled_from(("skip", "resend")), text_limit=st.sampled_from(TEXT_LIMITS))
+        def begin(self, policy: str, text_limit: int | None) -> None:
+            self.policy, self.text_limit = policy, text_limit
+            harness = resolve(backend)(self.tmp.name)
+            s = Scenario(harness, backend=backend, ids=IDS, policy=policy, origin="explore")
+            self.x = Explorer(s, text_limit=text_limit, policy=policy)
+            self.count = 0
+            self._step("await x.start()", lambda x: x.start())
+
+        @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4))
+        def receive(self, chat: str, drawn: list[tuple[Any, ...]]) -> None:
+            self.count += 1
+            mid = f"m{self.count}"
+            actions = _plan(mid, drawn)
+            self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r})", lambda x: x.receive(chat, mid, actions))
+
+        @precondition(lambda self: self.count > 0)
+        @rule(which=st.integers(0, 40))
+        def redeliver(self, which: int) -> None:
+            mid = f"m{which % self.count + 1}"
+            self._step(f"await x.redeliver({mid!r})", lambda x: x.redeliver(mid))
+
+        @rule(kind=st.sampled_from(("transient", "rate", "refuse")), chat=st.sampled_from(CHATS),
+              times=st.integers(1, 3))
+        def fault(self, kind: str, chat: str, times: int) -> None:
+            if kind == "refuse":
+                self._step(f"await x.fault('refuse', {chat!r})", lambda x: x.fault("refuse", chat))
+            else:
+                self._step(f"await x.fault({kind!r}, times={times})", lambda x: x.fault(kind, times=times))
+
+        @rule(n=st.integers(1, 12), when=st.sampled_from(("before", "after")))
+        def crash_in(self, n: int, when: str) -> None:
+            self._step(f"await x.crash_in({n}, {when!r})", lambda x: x.crash_in(n, when))
+
+        @rule(new_instance=st.booleans())
+        def restart(self, new_instance: bool) -> None:
+            self._step(f"await x.restart(new_instance={new_instance})", lambda x: x.restart(new_instance))
+
+        @rule(ms=st.sampled_from(ADVANCES))
+        def advance(self, ms: float) -> None:
+            self._step(f"await x.advance({ms:g})", lambda x: x.advance(ms))
+
+        def teardown(self) -> None:
+            try:
+                if self.x is not None and not self.failed:
+                    self._step("await x.finish()", lambda x: x.finish())
+            finally:
+                try:
+                    if self.x is not None:
+                        self.loop.run_until_complete(asyncio.wait_for(self.x.world.close(), STEP_SECONDS))
+                finally:
+                    pending = asyncio.all_tasks(self.loop)
+                    for task in pending:  # what a dead incarnation left running
+                        task.cancel()
+                    if pending:
+                        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                    self.loop.close()
+                    self.tmp.cleanup()
+
+    ExploreMachine.__name__ = ExploreMachine.__qualname__ = f"Explore_{re.sub(r'[^0-9A-Za-z]', '_', backend)}"
+    return ExploreMachine
+
+
+def explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None = None,
+            shrink_seconds: float = SHRINK_SECONDS) -> ExploreRun:
+    """Run up to ``examples`` generated stories on ``backend`` (a registry name or
+    ``pkg.module:factory``), for at most about ``seconds`` (see the module docstring),
+    shrinking a failure for at most about ``shrink_seconds``."""
+    from hypothesis.internal.conjecture import engine
+
+    # Hypothesis's own bound on shrinking is 300 s, a module constant (internal: when a
+    # later version drops it, shrinking keeps Hypothesis's default)
+    saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if saved is not None:
+        engine.MAX_SHRINKING_SECONDS = shrink_seconds  # type: ignore[assignment]
+    try:
+        return _explore(backend, examples=examples, seconds=seconds, seed=seed, database=database)
+    finally:
+        if saved is not None:
+            engine.MAX_SHRINKING_SECONDS = saved
+
+
+def _explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None) -> ExploreRun:
+    from hypothesis import HealthCheck, Verbosity, settings
+    from hypothesis import seed as hseed
+    from hypothesis.database import DirectoryBasedExampleDatabase
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run = ExploreRun(backend, seed)
+    recorder = _Recorder()
+    started = time.monotonic()
+    db = DirectoryBasedExampleDatabase(str(database)) if database is not None else None
+    done = chunk = 0
+    while done < examples:
+        if time.monotonic() - started >= seconds:
+            run.cut_by_time = True
+            break
+        n = min(CHUNK, examples - done)
+        machine = hseed(seed + chunk)(_machine(backend, recorder))
+        config = settings(max_examples=n, deadline=None, database=db, stateful_step_count=STEPS,
+                          suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
+        try:
+            run_state_machine_as_test(machine, settings=config)
+        except Exception as exc:  # the model broke (or the backend raised): the recorded story says how
+            if recorder.failure is None:
+                recorder.failure = ExploreFailure((), f"{type(exc).__name__}: {exc}", [], "skip", None)
+            elif type(exc).__name__.startswith("Flaky"):
+                run.notes.append("the failure did not reproduce on Hypothesis's replay (flaky): the story below is "
+                                 "the last run that failed")
+            break
+        done += n
+        chunk += 1
+    run.examples, run.steps = recorder.examples, recorder.steps
+    run.failure = recorder.failure
+    if recorder.found_after is not None:
+        run.notes.append(f"first failing story: example {recorder.found_after}; the rest shrank it")
+    run.seconds = time.monotonic() - started
+    return run
+
+
+def render_story(backend: str, seed: int, failure: ExploreFailure) -> tuple[str, str]:
+    """The scenario file (its function's name, its text) that replays ``failure``."""
+    name = f"explore_{re.sub(r'[^0-9A-Za-z]', '_', backend)}_{seed}"
+    ids = failure.ids or IDS
+    body = [f"    x = Explorer(s, text_limit={failure.text_limit!r}, policy={failure.policy!r})"]
+    body += [f"    {line}" for line in failure.lines]
+    if not failure.lines or not failure.lines[-1].endswith("x.finish()"):
+        body.append("    await x.finish()")
+    head = (f'"""Found by explore on {backend} (seed {seed}): {failure.message[:300]}"""\n\n'
+            if '"""' not in failure.message else f"# found by explore on {backend} (seed {seed})\n\n")
+    text = (head + STORY_IMPORTS + "\n\n" + f"@scenario({', '.join(repr(i) for i in ids)})\n"
+            f"async def {name}(s):\n" + "\n".join(body) + "\n")
+    return name, text
