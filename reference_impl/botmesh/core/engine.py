@@ -44,7 +44,7 @@ from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
 from .host import BotHost, CtxT, HandlerContext
 from .inputs import MAX_ID_CHARS, check_key
-from .keylocks import KeyLocks
+from .keylocks import KeyLocks, acquire_waiting
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
 from .outcomes import METRIC_KEYS, SendResult, _Dead, _Failed, _Sent, derive_scope
@@ -178,11 +178,7 @@ class DurabilityRuntime(Generic[CtxT]):
     async def _in_chat_order(self, chat_id: str) -> Any:
         """Hold the chat's lock (OUT-11); waiting for it is not busy work."""
         lock = self._chat_lock(chat_id)
-        if lock.locked():
-            with self.clock.waiting():
-                await lock.acquire()
-        else:
-            await lock.acquire()
+        await acquire_waiting(self.clock, lock)
         try:
             yield
         finally:
@@ -386,8 +382,12 @@ class DurabilityRuntime(Generic[CtxT]):
                 handed_on = False
                 continue  # an inline send to this chat is in progress: keep its order (OUT-11)
             try:
-                async with lock:
+                # unlocked, it may still have a waiter about to take it: not busy meanwhile
+                await acquire_waiting(self.clock, lock)
+                try:
                     await self._deliver(rec, recover=recover)
+                finally:
+                    lock.release()
             except Exception as exc:
                 handed_on = False
                 await self._sweep_failed("sweep.outbox", exc, key=rec.key)

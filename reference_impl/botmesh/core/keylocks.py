@@ -11,6 +11,18 @@ from collections.abc import AsyncIterator
 from .clock import Clock
 
 
+async def acquire_waiting(clock: Clock, lock: asyncio.Lock) -> None:
+    """Take ``lock``, the wait (if any) counted as *waiting* on the clock, never as busy.
+
+    Not only when ``lock.locked()``: a lock just released with a waiter not yet resumed
+    is unlocked, yet ``acquire`` queues behind that waiter — which may then hold it while
+    it sleeps on a backoff. A busy acquirer there would keep a virtual clock from ever
+    moving (found by the testkit's explore part: a sweep pass hung behind an inline send's
+    retry)."""
+    with clock.waiting():
+        await lock.acquire()
+
+
 class KeyLocks:
     """``async with locks.hold(key)``: waits while another task holds ``key`` (as
     *waiting* for the clock, so a virtual clock may move time meanwhile). An entry lives
@@ -28,11 +40,7 @@ class KeyLocks:
         lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
         self._locks[key] = (lock, users + 1)
         try:
-            if lock.locked():
-                with self._clock.waiting():
-                    await lock.acquire()
-            else:
-                await lock.acquire()
+            await acquire_waiting(self._clock, lock)
             try:
                 yield
             finally:
