@@ -106,6 +106,8 @@ def _run(args: argparse.Namespace) -> int:
             argv += [f"--botmesh-cell={args.cell}", "--botmesh-parts=matrix"]
         elif args.parts:
             argv.append(f"--botmesh-parts={args.parts}")
+        if args.explore_examples is not None:
+            argv.append(f"--botmesh-explore-examples={args.explore_examples}")
         for folder in args.scenarios or []:
             argv.append(f"--botmesh-scenarios={folder}")
         if args.junitxml:
@@ -141,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                      help=f"matrix profile: {', '.join(builtin_names())} or a path to a .toml file (default smoke)")
     run.add_argument("--seed", type=int, help="seed of the random cells (printed on every run)")
     run.add_argument("--cell", help="run one cell only: BACKEND/WORKLOAD/POLICY/WHEN:POINT#N")
-    run.add_argument("--parts", metavar="LIST", help="comma-separated parts: suite, scenarios, matrix (default: all)")
+    run.add_argument("--parts", metavar="LIST",
+                     help="comma-separated parts: suite, scenarios, matrix, explore, kills, powercuts (default: all)")
+    run.add_argument("--explore-examples", type=int, metavar="N",
+                     help="generated stories per backend in the explore part (default: the profile's)")
     run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
     run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
     run.add_argument("--report", metavar="PATH",

@@ -3,7 +3,7 @@ installed). Import-light: this module imports only pytest and the option helpers
 :mod:`botmesh_testkit.pytest` and are imported by the hooks that need them, and nothing of
 ``botmesh`` is imported unless a ``--botmesh-*`` option (or ini key) asks for it.
 
-``pytest --botmesh-backend=NAME`` (repeatable) certifies a backend. Three parts run, as
+``pytest --botmesh-backend=NAME`` (repeatable) certifies a backend. Its parts run, as
 test items beside the project's own tests (``--botmesh-parts`` picks some):
 
 * ``suite`` — the durability-level conformance suite
@@ -15,6 +15,12 @@ test items beside the project's own tests (``--botmesh-parts`` picks some):
   folders given with ``--botmesh-scenarios`` / ini ``botmesh_scenarios``;
 * ``matrix`` — the crash matrix of the selected profile (``--botmesh-matrix``, default
   ``smoke``), one item per cell, named ``botmesh-matrix::BACKEND/WORKLOAD/POLICY/WHEN:POINT#N``;
+* ``explore`` — generated stories (:mod:`botmesh_testkit.explore`): Hypothesis's stateful
+  testing drives a bot on the backend through messages with drawn plans, channel faults,
+  deaths, restarts and time, and checks a model after every step; a failing story,
+  shrunk, is written out as a scenario file (``explore_examples`` of the profile, or
+  ``--botmesh-explore-examples``; one item per backend, named
+  ``botmesh-explore::BACKEND/N-stories``);
 * ``kills`` — the profile's real kill loops (``kills = N``): a child process running
   the bot on the backend is killed with SIGKILL N times per policy
   (:mod:`botmesh_testkit.kill`), for backends that claim ``survives_crash``;
@@ -97,6 +103,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run only this crash cell (BACKEND/WORKLOAD/POLICY/WHEN:POINT#N)")
     group.addoption("--botmesh-cell-timeout", type=float, default=None, metavar="SECONDS",
                     help=f"real-time budget of one crash cell (default {DEFAULT_CELL_TIMEOUT:g})")
+    group.addoption("--botmesh-explore-examples", type=int, default=None, metavar="N",
+                    help="generated stories per backend in the explore part (default: the profile's explore_examples)")
+    group.addoption("--botmesh-explore-seconds", type=float, default=None, metavar="SECONDS",
+                    help="real seconds after which explore starts no new story, per backend (default: the profile's "
+                         "explore_seconds)")
     group.addoption("--botmesh-recovery-coverage", action="store_true", default=False,
                     help="measure which lines of the engine's recovery code each crash cell's restart runs, and "
                          "print them per crash point (off under pytest-cov; about 25 ms per cell)")
@@ -166,6 +177,11 @@ def pytest_configure(config: pytest.Config) -> None:
         raise usage("botmesh_cell_timeout", f"{config.getini('botmesh_cell_timeout')!r} is not a number of seconds") from None
     if timeout <= 0:
         raise usage("--botmesh-cell-timeout", f"{timeout:g} must be > 0 seconds")
+    examples, seconds = config.getoption("--botmesh-explore-examples"), config.getoption("--botmesh-explore-seconds")
+    if examples is not None and examples < 0:
+        raise usage("--botmesh-explore-examples", f"{examples} must be >= 0")
+    if seconds is not None and not 0 < seconds < float("inf"):
+        raise usage("--botmesh-explore-seconds", f"{seconds:g} must be > 0 seconds")
     for folder in scenario_dirs(config):
         if not folder.is_dir():
             raise usage("--botmesh-scenarios", f"{str(folder)!r} is not a directory")
@@ -182,6 +198,7 @@ def _used(config: pytest.Config) -> bool:
                 or config.getoption("--botmesh-cell") or config.getoption("--botmesh-report")
                 or config.getini("botmesh_report") or config.getoption("--botmesh-matrix")
                 or config.getoption("--botmesh-parts") or config.getoption("--botmesh-cell-timeout") is not None
+                or config.getoption("--botmesh-explore-examples") is not None
                 or config.getini("botmesh_matrix") != DEFAULT_MATRIX
                 or config.getini("botmesh_cell_timeout") != str(DEFAULT_CELL_TIMEOUT))
 
@@ -228,8 +245,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     import shlex
 
-    from .pytest.items import (ServiceSkipItem, kill_items, matrix_items, powercut_items, reproduce_command,
-                               scenario_items, suite_items)
+    from .pytest.items import (ServiceSkipItem, explore_items, kill_items, matrix_items, powercut_items,
+                               reproduce_command, scenario_items, suite_items)
     from .scenario.collect import shipped_dir
 
     state = session_of(config)
@@ -257,6 +274,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if "matrix" in chosen:
         for backend in live:
             added += matrix_items(session, config, backend, state.seed)
+    if "explore" in chosen and not only_cell:
+        added += explore_items(session, config, live, state.seed)
     if "kills" in chosen and not only_cell:
         added += kill_items(session, config, live, state.seed)
     if "powercuts" in chosen and not only_cell:

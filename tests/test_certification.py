@@ -25,7 +25,7 @@ def certify(pytester: pytest.Pytester, backend: str, profile: str, *extra: str) 
                                            f"--botmesh-matrix={profile}", "--botmesh-seed=20261202", "-rs", *extra,
                                            timeout=1500)
     line = next((ln for ln in result.outlines if ln.startswith(f"{backend}: ")), "")
-    parts = dict(re.findall(r"(suite|scenarios|matrix|kills|powercuts) (\d+ passed, \d+ failed(?:, \d+ skipped)?)", line))
+    parts = dict(re.findall(r"(suite|scenarios|matrix|explore|kills|powercuts) (\d+ passed, \d+ failed(?:, \d+ skipped)?)", line))
     print("\n".join(result.outlines[-12:]))
     return result, parts
 
@@ -36,11 +36,11 @@ def certify(pytester: pytest.Pytester, backend: str, profile: str, *extra: str) 
 def test_local_durable_backends_pass_the_full_certification(pytester: pytest.Pytester, backend: str) -> None:
     result, parts = certify(pytester, backend, "full")
     assert result.ret == 0, "\n".join(result.outlines[-60:])
-    assert set(parts) == {"suite", "scenarios", "matrix", "kills", "powercuts"}, parts
+    assert set(parts) == {"suite", "scenarios", "matrix", "explore", "kills", "powercuts"}, parts
     assert all(" 0 failed" in v for v in parts.values()), parts
     assert parts["kills"] == "2 passed, 0 failed"
     assert parts["powercuts"] == "3 passed, 0 failed"  # a power-cut loop per policy, the I/O-error loop
-    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, kills, powercuts)*"])
+    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts)*"])
     # whatever is skipped is a capability the backend does not claim
     skips = [ln for ln in result.outlines if ln.startswith("SKIPPED")]
     assert all("capability not claimed: multi_process" in ln for ln in skips), skips
@@ -53,7 +53,7 @@ def test_snapshot_file_backend_passes_the_smoke_certification(pytester: pytest.P
     result, parts = certify(pytester, "file", "smoke")
     assert result.ret == 0, "\n".join(result.outlines[-60:])
     assert all(" 0 failed" in v for v in parts.values()) and "kills" in parts and "powercuts" in parts, parts
-    result.stdout.fnmatch_lines(["*verdict: certified at profile smoke (suite, scenarios, matrix, kills, powercuts)*"])
+    result.stdout.fnmatch_lines(["*verdict: certified at profile smoke (suite, scenarios, matrix, explore, kills, powercuts)*"])
 
 
 @pytest.mark.slow
@@ -62,9 +62,9 @@ def test_snapshot_file_backend_passes_the_smoke_certification(pytester: pytest.P
 def test_shared_backends_pass_the_full_certification_with_zero_skips(pytester: pytest.Pytester, backend: str) -> None:
     result, parts = certify(pytester, backend, "full", "--botmesh-require-services")
     assert result.ret == 0, "\n".join(result.outlines[-60:])
-    assert set(parts) == {"suite", "scenarios", "matrix", "kills", "powercuts"}, parts
+    assert set(parts) == {"suite", "scenarios", "matrix", "explore", "kills", "powercuts"}, parts
     assert all(re.fullmatch(r"\d+ passed, 0 failed", v) for v in parts.values()), parts
     assert parts["powercuts"] == "2 passed, 0 failed"  # a private server on the mount, per policy
     outcomes = result.parseoutcomes()
     assert outcomes.get("skipped", 0) == 0 and outcomes["passed"] > 600, outcomes
-    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, kills, powercuts)*"])
+    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts)*"])

@@ -14,7 +14,7 @@ from conftest import collected_parts, shipped_scenario_files
 pytest_plugins = ["pytester"]
 
 RUN = ("-p", "no:cacheprovider", "-p", "no:benchmark")
-MEMORY = ("--botmesh-backend=memory", "--botmesh-parts=suite,scenarios,matrix", "--botmesh-seed=11")
+MEMORY = ("--botmesh-backend=memory", "--botmesh-parts=suite,scenarios,matrix,explore", "--botmesh-seed=11")
 """Every part the memory backend's claims require (it claims nothing: no kill loop)."""
 
 BROKEN = '''
@@ -86,7 +86,7 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert suite["failed"] == 0 and suite["skipped"] == outcomes["skipped"] == 5
     assert suite["passed"] + collected["scenarios"] + collected["matrix"] == outcomes["passed"]
     assert memory["parts"]["matrix"] == {"passed": collected["matrix"], "failed": 0, "skipped": 0}
-    assert memory["profile"] == "smoke" and memory["required_parts"] == ["suite", "scenarios", "matrix"]
+    assert memory["profile"] == "smoke" and memory["required_parts"] == ["suite", "scenarios", "matrix", "explore"]
     assert memory["verdict_line"].startswith("certified at profile smoke")
     assert {"GUAR-3", "GUAR-4", "OUT-2"} <= set(memory["held"]) and memory["broken"] == []
     # the suite's skips, grouped by reason, name the claim memory does not make
@@ -220,7 +220,7 @@ def test_the_cli_passes_report_through(pytester: pytest.Pytester) -> None:
     assert report["verdict"] == "partial" and report["seed"] == 6  # --parts scenarios: suite and matrix missing
     scenarios = collected_parts(result.stdout.str())["scenarios"]
     assert _backend(report, "memory")["parts"] == {"scenarios": {"passed": scenarios, "failed": 0, "skipped": 0}}
-    assert _backend(report, "memory")["missing_parts"] == ["suite", "matrix"]
+    assert _backend(report, "memory")["missing_parts"] == ["suite", "matrix", "explore"]
     assert "run --backend memory --parts scenarios --seed 6 --report cli.json" in report["command"]
 
 
@@ -257,7 +257,7 @@ def test_a_run_that_leaves_out_a_required_part_is_partial_not_certified(pytester
 def test_a_backend_claiming_survives_crash_needs_its_kill_loops(pytester: pytest.Pytester) -> None:
     """sqlite claims survives_crash: a run without kill loops (a profile with kills = 0)
     is partial and says why; memory claims nothing and is certified by the same run."""
-    pytester.makefile(".toml", nokills='description = "no kill loops"\nworkloads = ["one-send"]\n')
+    pytester.makefile(".toml", nokills='description = "no kill loops"\nworkloads = ["one-send"]\nexplore_examples = 10\n')
     result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=sqlite", "--botmesh-backend=memory",
                                            "--botmesh-matrix=nokills.toml", "--botmesh-seed=5", "--botmesh-report=r.json")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -267,5 +267,5 @@ def test_a_backend_claiming_survives_crash_needs_its_kill_loops(pytester: pytest
     assert sqlite["verdict_reasons"] == ["kills did not run (profile 'nokills' has no kill loops (kills = 0))",
                                          "powercuts did not run (profile 'nokills' has no power cuts (power_cuts = 0) "
                                          "and no I/O-error loop)"]
-    assert memory["verdict"] == "certified" and memory["required_parts"] == ["suite", "scenarios", "matrix"]
+    assert memory["verdict"] == "certified" and memory["required_parts"] == ["suite", "scenarios", "matrix", "explore"]
     assert report["verdict"] == "partial"

@@ -25,7 +25,8 @@ KILL_MESSAGES = 20
 ``messages`` of :class:`~botmesh_testkit.kill.KillLoop` and the kill command line's
 ``--messages``."""
 
-KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "power_cuts", "io_errors")
+KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "power_cuts", "io_errors",
+        "explore_examples", "explore_seconds")
 """Every key a profile file may have (``matrices/README.md`` says what each means)."""
 
 
@@ -57,6 +58,10 @@ class Profile:
     io_errors: bool = False
     """Run the I/O-error loop too (every file-system operation of a short workload
     failed once, in turn; same backends as the power cuts)."""
+    explore_examples: int = 0
+    """Generated stories per backend in the ``explore`` part (0: none)."""
+    explore_seconds: float = 60.0
+    """Real seconds after which explore starts no new story (per backend)."""
 
 
 def builtin_names() -> list[str]:
@@ -107,4 +112,11 @@ def load_profile(name_or_path: str) -> Profile:
     io_errors = data.get("io_errors", False)
     if not isinstance(io_errors, bool):
         raise ProfileError(f"{path}: io_errors must be true or false, got {io_errors!r}")
-    return Profile(name, str(data.get("description", "")), workloads, policies, count, io_errors=io_errors, **counts)
+    examples = data.get("explore_examples", 0)
+    if not isinstance(examples, int) or isinstance(examples, bool) or examples < 0:
+        raise ProfileError(f"{path}: explore_examples must be an integer >= 0, got {examples!r}")
+    seconds = data.get("explore_seconds", 60.0)
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+        raise ProfileError(f"{path}: explore_seconds must be a number of seconds > 0, got {seconds!r}")
+    return Profile(name, str(data.get("description", "")), workloads, policies, count, io_errors=io_errors,
+                   explore_examples=examples, explore_seconds=float(seconds), **counts)

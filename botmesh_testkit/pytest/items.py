@@ -275,6 +275,70 @@ class IoErrorItem(ReportingItem):
         return "botmesh-powercuts", 0, self.name
 
 
+class ExploreItem(ReportingItem):
+    """The explore part on one backend (:mod:`botmesh_testkit.explore.machine`): up to
+    ``examples`` generated stories within about ``seconds``. A failing story, shrunk, is
+    written as a scenario file (into the pytest cache's ``d/botmesh-explore/stories``, else a
+    temporary folder, printed) that replays it with ``--botmesh-scenarios``; the stories
+    Hypothesis found failing are kept in ``d/botmesh-explore/<backend>`` and replayed first
+    by the next run."""
+
+    def __init__(self, *, backend: str, examples: int, seconds: float, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from ..explore.machine import IDS
+
+        self.backend = backend
+        self.examples = examples
+        self.seconds = seconds
+        self.seed = seed
+        self.add_marker(pytest.mark.spec(*IDS))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def _cache(self, *names: str) -> Path | None:
+        cache = getattr(self.config, "cache", None)
+        if cache is None:
+            return None
+        folder = Path(cache.mkdir("botmesh-explore"))
+        for name in names:
+            folder = folder / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def runtest(self) -> None:
+        import re
+
+        from ..backends.registry import resolve
+        from ..explore.machine import explore, render_story
+
+        with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+            crashes = bool(resolve(self.backend)(tmp).capabilities.survives_crash)
+        slug = re.sub(r"[^0-9A-Za-z._-]", "_", self.backend)
+        run = explore(self.backend, examples=self.examples, seconds=self.seconds, seed=self.seed,
+                      database=self._cache(slug), crashes=crashes)
+        self.user_properties.append(("botmesh_kill_report", [run.summary()]))
+        if run.failure is None:
+            return
+        failure = run.failure
+        self.user_properties.append(("botmesh_violated", failure.ids))
+        name, text = render_story(self.backend, self.seed, failure)
+        folder = self._cache("stories") or Path(tempfile.mkdtemp(prefix="botmesh-explore-stories-"))
+        path = folder / f"{name}.py"
+        path.write_text(text, encoding="utf-8")
+        base = rerun_base(self.config, self.seed)
+        ids = f"[{', '.join(failure.ids)}] " if failure.ids else ""
+        lines = [run.summary(), f"  violated {ids}{failure.message}", *(f"  note: {n}" for n in run.notes),
+                 f"  the story (shrunk; on_ambiguous={failure.policy}, text_limit={failure.text_limit}), written to "
+                 f"{path}:"]
+        lines += [f"    {line}" for line in failure.lines]
+        lines.append(f"  replay it: pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
+                     f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")
+        lines.append(f"  rerun explore: {base} --botmesh-parts=explore --botmesh-matrix={matrix_name(self.config)}")
+        raise CellFailed("\n".join(lines))
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-explore", 0, self.name
+
+
 class ServiceSkipItem(pytest.Item):
     """Stands for the items of a backend whose server could not be provisioned (or of a
     part that cannot run on this machine: ``backend`` names whose part it counts in)."""
@@ -342,6 +406,21 @@ def power_cut_states_apply(backend: str) -> bool:
     with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
         harness = resolve(backend)(tmp)
         return recording_io(harness, tmp) is not None and harness.capabilities.survives_crash
+
+
+def explore_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:
+    """The explore part: one item per backend (none when the budget is 0 stories)."""
+    from .options import explore_budget
+
+    examples, seconds = explore_budget(config)
+    if not examples:
+        return []
+    items: list[pytest.Item] = []
+    for backend in backends:
+        name = f"botmesh-explore::{backend}/{examples}-stories"
+        items.append(ExploreItem.from_parent(session, name=name, nodeid=name, backend=backend, examples=examples,
+                                             seconds=seconds, seed=seed))
+    return items
 
 
 def kill_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:
@@ -454,7 +533,7 @@ def reproduce_command(item: pytest.Item, base: str, config: pytest.Config) -> st
     if part == "scenarios":
         rerun = getattr(item.parent, "rerun", None)
         return f"{rerun} -k {shlex.quote(item.name)}" if rerun else None
-    if part not in ("suite", "kills", "powercuts"):
+    if part not in ("suite", "explore", "kills", "powercuts"):
         return None
     profile = matrix_name(config)
     words = [base, f"--botmesh-parts={part}"]

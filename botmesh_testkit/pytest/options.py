@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PARTS = ("suite", "scenarios", "matrix", "kills", "powercuts")
+PARTS = ("suite", "scenarios", "matrix", "explore", "kills", "powercuts")
 """The parts of a certification, in the order they are reported."""
 
 DEFAULT_BACKEND = "sqlite"
@@ -58,6 +58,19 @@ def cell_budget(config: pytest.Config) -> float:
     """Real seconds one crash cell may take (``--botmesh-cell-timeout`` / ini)."""
     given = config.getoption("--botmesh-cell-timeout")
     return float(given if given is not None else config.getini("botmesh_cell_timeout"))
+
+
+def explore_budget(config: pytest.Config) -> tuple[int, float]:
+    """Stories per backend and real seconds of the ``explore`` part:
+    ``--botmesh-explore-examples`` / ``--botmesh-explore-seconds``, else the profile's
+    ``explore_examples`` / ``explore_seconds``."""
+    from ..matrix.profiles import load_profile
+
+    profile = load_profile(matrix_name(config))
+    examples = config.getoption("--botmesh-explore-examples")
+    seconds = config.getoption("--botmesh-explore-seconds")
+    return (int(examples) if examples is not None else profile.explore_examples,
+            float(seconds) if seconds is not None else profile.explore_seconds)
 
 
 def require_powercuts(config: pytest.Config) -> bool:

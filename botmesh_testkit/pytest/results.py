@@ -32,6 +32,8 @@ def part_of(nodeid: str) -> str:
         return "scenarios"
     if nodeid.startswith("botmesh-conformance"):
         return "suite"
+    if nodeid.startswith("botmesh-explore::"):
+        return "explore"
     if nodeid.startswith("botmesh-kills::"):
         return "kills"
     if nodeid.startswith("botmesh-powercuts::"):

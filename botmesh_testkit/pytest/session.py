@@ -93,6 +93,8 @@ class BotmeshSession:
         why = {part: "not selected with --botmesh-parts" for part in PARTS if part not in parts(self.config)}
         try:
             profile = load_profile(matrix_name(self.config))
+            if not profile.explore_examples:
+                why.setdefault("explore", f"profile {profile.name!r} explores no stories (explore_examples = 0)")
             if not profile.kills:
                 why.setdefault("kills", f"profile {profile.name!r} has no kill loops (kills = 0)")
             if not profile.power_cuts and not profile.io_errors:

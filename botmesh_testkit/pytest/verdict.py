@@ -4,11 +4,11 @@ profile, or every item skipped), listing them; **not certified** when something 
 its server could not be had, or the run did not complete. A verdict always names the
 profile it rests on: a smoke run is a certification *at smoke*.
 
-Required parts: ``suite``, ``scenarios`` and ``matrix`` for every backend; ``kills``
+Required parts: ``suite``, ``scenarios``, ``matrix`` and ``explore`` for every backend; ``kills``
 when it claims ``survives_crash`` (a claim only a real process death can test), and
 ``powercuts`` too when its storage lives in the workdir, where the power-cut file system
 can be mounted (a SIGKILL leaves the page cache intact: only a power cut tests fsync). A
-backend that claims nothing is certified on the three in-process parts. ``postgres`` and
+backend that claims nothing is certified on the four in-process parts. ``postgres`` and
 ``redis`` are power-cut on a private server of the same binaries whose data directory is
 on the mount (a server given by URL cannot be cut: its settings are checked instead).
 """
@@ -24,7 +24,7 @@ CERTIFIED = "certified"
 PARTIAL = "partial"
 NOT_CERTIFIED = "not certified"
 
-ALWAYS = ("suite", "scenarios", "matrix")
+ALWAYS = ("suite", "scenarios", "matrix", "explore")
 """The parts every backend must pass."""
 
 BY_CLAIM: dict[str, tuple[str, ...]] = {"survives_crash": ("kills",)}
