@@ -48,16 +48,17 @@ def test_matrix_runs_as_items_with_a_summary(pytester: pytest.Pytester) -> None:
                                  "matrix * passed, 0 failed",
                                  "*held (*): *GUAR-3, GUAR-4*"])
     # the header's totals count the plugin's items (pytest's own "collected N" does not)
-    header = re.search(r"^botmesh: (\d+) items in all \(suite (\d+), scenarios (\d+), matrix (\d+)\)$",
+    header = re.search(r"^botmesh: (\d+) items in all \(suite (\d+), scenarios (\d+), matrix (\d+), explore (\d+)\)$",
                        result.stdout.str(), re.M)
     summary = re.search(r"^memory: suite (\d+) passed, 0 failed, (\d+) skipped; scenarios (\d+) passed, 0 failed; "
                         r"matrix (\d+) passed", result.stdout.str(), re.M)
     assert header and summary, result.stdout.str()[-3000:]
-    total, suite, scenarios, matrix = (int(g) for g in header.groups())
+    total, suite, scenarios, matrix, explore = (int(g) for g in header.groups())
     assert scenarios >= len(shipped_scenario_files())  # every shipped GUAR file yields an item
     assert suite == int(summary.group(1)) + int(summary.group(2))
     assert (scenarios, matrix) == (int(summary.group(3)), int(summary.group(4)))
-    assert total == suite + scenarios + matrix == sum(result.parseoutcomes().values())
+    assert explore == 1  # one item per backend
+    assert total == suite + scenarios + matrix + explore == sum(result.parseoutcomes().values())
 
 
 @pytest.mark.spec("TEST-4", "OUT-2", "BACK-7")

@@ -68,7 +68,7 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert report["format"] == "botmesh-certification-report/1"
     assert report["verdict"] == "certified"
     assert report["seed"] == 11
-    assert report["parts"] == ["suite", "scenarios", "matrix"]
+    assert report["parts"] == ["suite", "scenarios", "matrix", "explore"]
     assert report["matrix"]["name"] == "smoke" and "random cells" in report["matrix"]["description"]
     assert report["date"].endswith("+00:00")
     assert report["exit_status"] == 0
@@ -84,7 +84,8 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     suite = memory["parts"]["suite"]
     # 5: four need survives_crash (the claims check among them), one multi_process
     assert suite["failed"] == 0 and suite["skipped"] == outcomes["skipped"] == 5
-    assert suite["passed"] + collected["scenarios"] + collected["matrix"] == outcomes["passed"]
+    assert suite["passed"] + collected["scenarios"] + collected["matrix"] + collected["explore"] == outcomes["passed"]
+    assert memory["parts"]["explore"] == {"passed": 1, "failed": 0, "skipped": 0}
     assert memory["parts"]["matrix"] == {"passed": collected["matrix"], "failed": 0, "skipped": 0}
     assert memory["profile"] == "smoke" and memory["required_parts"] == ["suite", "scenarios", "matrix", "explore"]
     assert memory["verdict_line"].startswith("certified at profile smoke")
@@ -96,6 +97,8 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert {s["reason"] for s in memory["skips"]} == {"capability not claimed: survives_crash",
                                                       "capability not claimed: multi_process"}
     assert memory["service_skip"] is None and memory["kill_loops"] == []
+    # the explore run's headline is the explore part's, not a kill loop's
+    assert len(memory["explore"]) == 1 and memory["explore"][0].startswith("explore on memory, seed 11: ")
     # the matrix cell by cell (the HTML report's grid): one record per item, one line each
     cells = memory["matrix_cells"]
     assert len(cells) == collected["matrix"] == len({c["id"] for c in cells})

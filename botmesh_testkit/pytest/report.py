@@ -79,6 +79,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
     service_skips = dict(state.service_skips)
     skip_reasons = state.skip_reasons
     kill_lines = state.kill_lines()
+    explore_lines = state.kill_lines(("explore",))
     names = list(dict.fromkeys([*selected(config), *service_skips, *(r.backend for r in results)]))
     matrix = matrix_name(config)
     try:
@@ -136,6 +137,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "skips": skips,
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
+            "explore": explore_lines.get(name, []),
             "failed_items": [f for f in state.failures if f["backend"] == name],
             "matrix_cells": sorted((c for b, c in state.cells if b == name), key=lambda c: (c["seq"], c["id"])),
         })
@@ -216,6 +218,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                        f"{cuts['failed']} broke a guarantee |")
         for line in b["kill_loops"]:
             out.append(f"| kill loop | {_cell(line)} |")
+        for line in b.get("explore", []):
+            out.append(f"| explore | {_cell(line)} |")
         for k, v in b["versions"].items():
             out.append(f"| version: {_cell(k)} | {_cell(v)} |")
         out += [f"| seed | {report['seed']} |", f"| command | `{_cell(report['command'])}` |", ""]

@@ -58,7 +58,7 @@ class BotmeshSession:
         self.results: list[Result] = []
         self.failures: list[dict[str, Any]] = []
         """Every failed item: backend, part, item (node id), outcome, violated ids, message, reproduce."""
-        self.kill_reports: list[tuple[str, list[str]]] = []
+        self.kill_reports: list[tuple[str, str, list[str]]] = []
         self.cells: list[tuple[str, dict[str, Any]]] = []
         """``(backend, record)`` of each crash-matrix item run: its coordinates, outcome,
         reproduce command and what running it gave (the report's grid)."""
@@ -163,7 +163,7 @@ class BotmeshSession:
             states, failed = props["botmesh_powercut_states"]
             self.power_cut_states.setdefault(str(backend), PowerCutCount()).add(int(states), int(failed))
         if "botmesh_kill_report" in props:
-            self.kill_reports.append((str(backend), list(props["botmesh_kill_report"])))
+            self.kill_reports.append((str(backend), part, list(props["botmesh_kill_report"])))
         if outcome == "skipped":
             self.skip_reasons.append((str(backend), part, why))
 
@@ -173,11 +173,13 @@ class BotmeshSession:
             terminalreporter.write_line(self.report_line, red=" NOT " in self.report_line)
 
     # -- the summary ----------------------------------------------------------------------
-    def kill_lines(self) -> dict[str, list[str]]:
-        """Backend -> the headline lines of its kill loops."""
+    def kill_lines(self, parts: tuple[str, ...] = ("kills", "powercuts")) -> dict[str, list[str]]:
+        """Backend -> the headline lines of its loops in ``parts`` (the kill and power-cut
+        loops by default; ``("explore",)`` for the explore runs)."""
         lines: dict[str, list[str]] = defaultdict(list)
-        for backend, mine in self.kill_reports:
-            lines[backend].extend(mine)
+        for backend, part, mine in self.kill_reports:
+            if part in parts:
+                lines[backend].extend(mine)
         return lines
 
     def _summary(self, terminalreporter: Any, exitstatus: int) -> None:
@@ -191,7 +193,7 @@ class BotmeshSession:
         if not self.results:
             write("no botmesh items ran")
             return
-        kill_lines = self.kill_lines()
+        kill_lines = self.kill_lines(PARTS)
         by_backend: dict[str, list[Result]] = defaultdict(list)
         for row in self.results:
             by_backend[row.backend].append(row)
