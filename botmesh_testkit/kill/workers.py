@@ -290,7 +290,8 @@ def _collect(procs: list[Any], conns: list[Any], outcomes: list[WorkerOutcome], 
 def _reap(procs: list[Any], outcomes: list[WorkerOutcome], barrier: Any) -> None:
     """Kill whatever still runs, join every worker and make sure it is gone."""
     for index, proc in enumerate(procs):
-        proc.join(5.0 if outcomes[index].done or outcomes[index].error else 0.0)
+        out = outcomes[index]
+        proc.join(0.0 if out.timed_out else 5.0)  # one that reported is on its way out
         if proc.is_alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
