@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 from botmesh.core.errors import VersionConflict
 from botmesh.core.file_kv import FileKv
+from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities
 from botmesh.sqlite_store import SQLiteKv
 
@@ -69,6 +70,33 @@ class CheckThenWriteKv(SQLiteKv):
         return expected_version + 1
 
 
+class StaleWritesAccepted(KvDurability):
+    """Bug: the fenced writes ignore the token they are given (they use the record's
+    current one): an expired owner's heartbeat, completion or send mark is applied."""
+
+    async def _token(self, scope: str, journal: str, id: str, token: int) -> int:
+        rec = await (self.inbox_get(scope, id) if journal == "inbox" else self.outbox_get(scope, id))
+        return token if rec is None else rec.token
+
+    async def inbox_heartbeat(self, scope: str, id: str, *, token: int, lease_until: float) -> bool:
+        token = await self._token(scope, "inbox", id, token)
+        return await super().inbox_heartbeat(scope, id, token=token, lease_until=lease_until)
+
+    async def inbox_complete(self, scope: str, id: str, *, token: int, now: float, expires_at: float | None) -> bool:
+        token = await self._token(scope, "inbox", id, token)
+        return await super().inbox_complete(scope, id, token=token, now=now, expires_at=expires_at)
+
+    async def outbox_heartbeat(self, scope: str, key: str, *, token: int, lease_until: float) -> bool:
+        token = await self._token(scope, "outbox", key, token)
+        return await super().outbox_heartbeat(scope, key, token=token, lease_until=lease_until)
+
+    async def outbox_mark_sent(self, scope: str, key: str, *, token: int, message_id: str, now: float,
+                               expires_at: float | None) -> bool:
+        token = await self._token(scope, "outbox", key, token)
+        return await super().outbox_mark_sent(scope, key, token=token, message_id=message_id, now=now,
+                                              expires_at=expires_at)
+
+
 class FileKvClaimingMultiProcess(FileKv):
     """Bug: a file journal (whose pid lock refuses a second live process) claims
     multi_process."""
@@ -87,6 +115,7 @@ from typing import Any
 
 from botmesh.core.errors import VersionConflict
 from botmesh.core.file_kv import FileKv
+from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities
 from botmesh.sqlite_store import SQLiteKv
 '''
@@ -94,6 +123,10 @@ from botmesh.sqlite_store import SQLiteKv
 _FACTORIES = '''
 def make_racy(workdir):
     return CheckThenWriteKv(os.path.join(workdir, "racy.db"))
+
+
+def make_stale(workdir):
+    return StaleWritesAccepted(SQLiteKv(os.path.join(workdir, "stale.db")))
 
 
 def make_file(workdir):
@@ -147,11 +180,16 @@ class TestNospecBackend(MultiProcessTests):
 def _bindings(names: list[str]) -> str:
     """A kv-level and a durability-level class per kv; ``memory`` only with the
     multi-process mixins (a new MemoryKv per call is no storage the other tests could
-    reopen); ``nospec``: the SQLite kv behind a harness without ``kill_spec()``."""
+    reopen); ``nospec``: the SQLite kv behind a harness without ``kill_spec()``;
+    ``stale``: the durability backend that accepts stale writes."""
     out = [_TESTS]
     for name in names:
         if name == "nospec":
             out.append(_NOSPEC)
+            continue
+        if name == "stale":  # a durability backend, no kv of its own to bind
+            out.append("class TestStaleBackend(MultiProcessTests):\n    @pytest.fixture\n"
+                       "    def botmesh_harness_factory(self):\n        return resolve('third_party_kvs:make_stale')\n")
             continue
         cls = name.capitalize()
         kv_base, backend_base = ("MultiProcessKvTests", "MultiProcessTests") if name == "memory" else ("_Kv", "_Backend")
@@ -175,7 +213,8 @@ def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, names: list
         filterwarnings =
             error
         """))
-    parts = [_HEADER, *(inspect.getsource(cls) for cls in (CheckThenWriteKv, FileKvClaimingMultiProcess)), _FACTORIES]
+    planted = (CheckThenWriteKv, StaleWritesAccepted, FileKvClaimingMultiProcess)
+    parts = [_HEADER, *(inspect.getsource(cls) for cls in planted), _FACTORIES]
     pytester.makepyfile(third_party_kvs="\n\n".join(parts))
     pytester.makepyfile(test_third_party=_bindings(names))
     monkeypatch.setenv("COLUMNS", "1000")  # the -rf summary keeps each message's start
@@ -213,6 +252,9 @@ RACY: list[tuple[str, str, str]] = [
     ("TestRacyKv", "test_concurrent_read_modify_write_loses_no_update", "PASSED"),
     ("TestRacyBackend", "test_repl1_concurrent_claims_have_exactly_one_winner*", "PASSED"),
     ("TestRacyBackend", "test_repl4_two_processes_on_one_storage_claim_exclusively", "PASSED"),
+    # fencing that ignores the token: the lost lease's writes land
+    ("TestStaleBackend", f"{CLAIMS}[[]inbox[]]", "LEASE-2/REPL-1:*inbox * of*with the stale token*was accepted*"),
+    ("TestStaleBackend", f"{CLAIMS}[[]outbox[]]", "LEASE-2/REPL-1:*outbox * of*with the stale token*was accepted*"),
 ]
 
 REFUSING: list[tuple[str, str, str]] = [
@@ -234,11 +276,13 @@ def test_a_cas_atomic_only_within_one_process_fails_the_multi_process_items(
     of both suites and fails each multi-process item with the violated ids: lost CAS
     updates (BACK-7/REPL-1), a record created by two processes (INB-4/REPL-4), one
     record claimed by two processes at once (REPL-1/LEASE-2). Rerun at most MAX_RUNS
-    times until every one showed."""
+    times until every one showed. In the same run, a backend whose fenced writes
+    ignore the token fails the claim items with LEASE-2 (the lost lease's writes
+    accepted)."""
     missed: list[str] = []
     out = ""
     for _ in range(MAX_RUNS):
-        result, out = _run(pytester, monkeypatch, ["racy"])
+        result, out = _run(pytester, monkeypatch, ["racy", "stale"])
         assert result.ret == 1, f"the multi-process items must fail against the racy kv (exit code 1):\n{out}"
         assert result.parseoutcomes().get("errors", 0) == 0, f"no test may error (only fail):\n{out}"
         missed = _missed(result.outlines, RACY)

@@ -148,10 +148,15 @@ def check_claim_rounds(
     """``results``: :func:`~botmesh_testkit.kill.contention.claim_rounds` of each worker;
     ``final``: id -> the record (as JSON) read at the end; ``lease_until``: round -> the
     ``lease_until`` a claim in that round must set; ``settled_state``: ``done`` or
-    ``sent``. The violations come most fundamental first: two claims of one record,
-    then fencing, live leases, heartbeats, the final records, and the details of a
-    claim's answer."""
-    out: list[Violation] = []
+    ``sent``. The violations come causes first: two claims of one record, a write with
+    a stale token accepted, a live lease taken, then fencing tokens and expired leases
+    nobody could take (often the consequence of the former), heartbeats, the final
+    records, and the details of a claim's answer."""
+    double: list[Violation] = []
+    stale: list[Violation] = []
+    live: list[Violation] = []
+    fencing: list[Violation] = []
+    rest: list[Violation] = []
     details: list[Violation] = []
     winners: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)  # (round, id) -> [(worker, token)]
     for index, res in enumerate(results):
@@ -161,10 +166,9 @@ def check_claim_rounds(
             winners[(r, id)].append((index, token))
             if owner != owners[index] or until != lease_until[r]:
                 details.append(Violation(("LEASE-1",), f"round {r}: process {index}'s claim of {journal} {id!r} returned "
-                                                   f"owner {owner!r}, lease_until {until!r}; expected {owners[index]!r} "
-                                                   f"until {lease_until[r]!r}"))
+                                                       f"owner {owner!r}, lease_until {until!r}; expected "
+                                                       f"{owners[index]!r} until {lease_until[r]!r}"))
     last: dict[str, tuple[int, int]] = {}
-    fencing: list[Violation] = []
     for id in ids:
         previous = 1  # the journaled record's token
         for r in range(1, rounds + 1):
@@ -174,47 +178,46 @@ def check_claim_rounds(
                                                                 f"none of {len(results)} processes could claim it"))
                 continue
             if len(won) > 1:
-                out.append(Violation(("REPL-1", "LEASE-2"),
-                                     f"round {r}: {len(won)} processes claimed {journal} {id!r} at once "
-                                     f"(processes {[i for i, _ in won]}, tokens {[t for _, t in won]}): two replicas "
-                                     "never claim the same record"))
+                double.append(Violation(("REPL-1", "LEASE-2"),
+                                        f"round {r}: {len(won)} processes claimed {journal} {id!r} at once "
+                                        f"(processes {[i for i, _ in won]}, tokens {[t for _, t in won]}): two "
+                                        "replicas never claim the same record"))
             for index, token in won:
                 if token <= previous:
                     fencing.append(Violation(("LEASE-2",), f"round {r}: process {index} claimed {journal} {id!r} with "
-                                                       f"fencing token {token}, not larger than the previous {previous}: "
-                                                       "tokens only grow"))
+                                                           f"fencing token {token}, not larger than the previous "
+                                                           f"{previous}: tokens only grow"))
             previous = max([previous, *(t for _, t in won)])
             last[id] = won[0]
-    out += fencing
     for index, res in enumerate(results):
-        for r, id, token, ok in res["heartbeats"]:
-            if not ok:
-                out.append(Violation(("LEASE-1", "REPL-3"), f"round {r}: the heartbeat of process {index}, holder of "
-                                                            f"{journal} {id!r} (token {token}), was refused"))
-        for r, id, token in res["live_claims"]:
-            if token is not None and winners.get((r, id)):
-                out.append(Violation(("REPL-1", "LEASE-1"), f"round {r}: process {index} took {journal} {id!r} (token "
-                                                            f"{token}) while another process's lease on it was live"))
         for r, id, op, token, ok in res["stale"]:
             if ok:
                 when = "after the records were settled" if r > rounds else f"in round {r}"
-                out.append(Violation(("LEASE-2", "REPL-1"), f"{when}: process {index}'s {journal} {op} of {id!r} with "
-                                                            f"the stale token {token} was accepted; an expired owner's "
-                                                            "writes are refused"))
+                stale.append(Violation(("LEASE-2", "REPL-1"), f"{when}: process {index}'s {journal} {op} of {id!r} "
+                                                              f"with the stale token {token} was accepted; an expired "
+                                                              "owner's writes are refused"))
+        for r, id, token in res["live_claims"]:
+            if token is not None and winners.get((r, id)):
+                live.append(Violation(("REPL-1", "LEASE-1"), f"round {r}: process {index} took {journal} {id!r} (token "
+                                                             f"{token}) while another process's lease on it was live"))
+        for r, id, token, ok in res["heartbeats"]:
+            if not ok:
+                rest.append(Violation(("LEASE-1", "REPL-3"), f"round {r}: the heartbeat of process {index}, holder of "
+                                                             f"{journal} {id!r} (token {token}), was refused"))
         for id, token, ok in res["settled"]:
             if not ok:
-                out.append(Violation(("LEASE-2",), f"process {index}, the last holder of {journal} {id!r} (token "
-                                                   f"{token}), could not settle it"))
+                rest.append(Violation(("LEASE-2",), f"process {index}, the last holder of {journal} {id!r} (token "
+                                                    f"{token}), could not settle it"))
     for id in ids:
         rec = final.get(id)
         if id not in last:
             continue
         index, token = last[id]
         if rec is None:
-            out.append(Violation(("REPL-1",), f"{journal} {id!r} is gone after the run"))
+            rest.append(Violation(("REPL-1",), f"{journal} {id!r} is gone after the run"))
         elif (rec.get("state"), rec.get("token"), rec.get("owner")) != (settled_state, token, owners[index]):
-            out.append(Violation(("LEASE-2", "REPL-1"),
-                                 f"{journal} {id!r} ends as state {rec.get('state')!r}, token {rec.get('token')!r}, owner "
-                                 f"{rec.get('owner')!r}; its last holder was {owners[index]!r} with token {token}, "
-                                 f"which settled it ({settled_state!r})"))
-    return out + details
+            rest.append(Violation(("LEASE-2", "REPL-1"),
+                                  f"{journal} {id!r} ends as state {rec.get('state')!r}, token {rec.get('token')!r}, "
+                                  f"owner {rec.get('owner')!r}; its last holder was {owners[index]!r} with token "
+                                  f"{token}, which settled it ({settled_state!r})"))
+    return double + stale + live + fencing + rest + details
