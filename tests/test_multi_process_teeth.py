@@ -18,7 +18,10 @@ least two pick the same key at once in every round — and each spends most of a
 that window: a lost update shows in practically every round, and an item runs 4 rounds.
 The test still reruns the subprocess (at most :data:`MAX_RUNS` times) until every
 expected failure showed, so that even an extraordinarily lucky interleaving cannot make
-it flaky; a correct backend's pass never depends on a race (the control).
+it flaky; a correct backend's pass never depends on a race (the control). In the same
+run, :class:`StaleWritesAccepted` (fenced writes that ignore their token, on SQLite)
+fails the claim items with LEASE-2 whatever the interleaving: every record's round-1
+token is stale once round 2 took it, and its holder writes with it.
 """
 
 from __future__ import annotations
