@@ -11,7 +11,9 @@ the broken backends run in one subprocess (one ``Test<Backend>`` class each); th
 summary (``-rf``, on a wide terminal) is then checked backend by backend: some test of
 that class failed with a message starting with the violated requirement id. A control
 run binds a correct backend (claiming ``survives_crash`` and ``multi_process``, so that
-no test is skipped) the same way and must pass with exit code 0.
+no test is skipped: the shipped SQLite kv under ``KvDurability``, since the
+``multi_process`` tests run real processes on its storage) the same way and must pass
+with exit code 0.
 
 The ``spec`` marker is registered by an ini file (``pytester.makeini``), with
 ``--strict-markers`` and warnings as errors, because the pytester directory does not see
@@ -223,14 +225,6 @@ class RacyClaims(KvDurability):
                 continue
 
 
-class DurableMemoryKv(MemoryKv):
-    """A correct kv for the control run: one instance per storage (per workdir), shared
-    by every backend opened on it, so it may claim survives_crash and multi_process
-    within one process."""
-
-    capabilities = Capabilities(survives_crash=True, multi_process=True)
-
-
 # name -> (factory source, [(test name glob, requirement id the message starts with)])
 BROKEN: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "NeverExpiringLease": (
@@ -300,7 +294,6 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str]]]] = {
 _CLASSES: list[Any] = [
     NeverExpiringLease, FrozenToken, StaleCompletionAccepted, ForgetsSent, LosesMessageId, ReversedDue,
     DueIgnoresUpto, ScopeLeakKv, ForgetfulKv, PurgeTooMuch, JournalOverwrites, ShorteningHeartbeat, RacyClaims,
-    DurableMemoryKv,
 ]
 
 _HEADER = '''\
@@ -318,12 +311,14 @@ from botmesh.core.spi import Capabilities
 '''
 
 _GOOD_FACTORY = '''
-_STORAGE: dict[str, DurableMemoryKv] = {}
-
-
 def make_Good(workdir):
-    """A new backend on the storage of ``workdir`` at each call (one per incarnation)."""
-    return KvDurability(_STORAGE.setdefault(workdir, DurableMemoryKv()), own_kv=False)
+    """A new backend on the storage of ``workdir`` at each call (one per incarnation): a
+    file that other processes open too (the multi_process tests run real ones)."""
+    import os
+
+    from botmesh.sqlite_store import SQLiteKv
+
+    return KvDurability(SQLiteKv(os.path.join(workdir, "good.db")))
 '''
 
 

@@ -59,6 +59,7 @@ from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities, Versioned
 from botmesh.core.testing import MockProvider
 from botmesh.postgres_store import PostgresDurability, PostgresKv
+from botmesh_testkit.conformance.durability import HarnessFactory, MultiProcessTests
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory
 from botmesh_testkit.backends.postgres import PostgresHarness, table_prefix_for
 from botmesh_testkit.crash import World
@@ -212,6 +213,16 @@ class TestPostgresKvConformance(DurableKvConformance):
     @pytest.fixture
     def kv_factory(self, pg_url: str, prefix: str) -> KvFactory:
         return lambda: PostgresKv(connection_string=pg_url, table_prefix=prefix, max_size=4)
+
+
+class TestPostgresMultiProcess(MultiProcessTests):
+    """The durability suite's several-processes tests (REPL-1, REPL-4): real processes,
+    each with a PostgresDurability of its own on the test's table, journal and claim the
+    same records at once (the kv suite above has its CAS test across processes)."""
+
+    @pytest.fixture
+    def botmesh_harness_factory(self, pg_url: str) -> HarnessFactory:
+        return lambda workdir: PostgresHarness(workdir, url=pg_url)
 
 
 # ----------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
+from botmesh_testkit.conformance.durability import HarnessFactory, MultiProcessTests
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory
 from botmesh_testkit.backends.redis import RedisHarness, prefix_for
 from botmesh_testkit.crash import World
@@ -134,6 +135,16 @@ class TestRedisKvConformance(DurableKvConformance):
     @pytest.fixture
     def kv_factory(self, redis_url: str, prefix: str) -> KvFactory:
         return lambda: RedisKv(url=redis_url, prefix=prefix)
+
+
+class TestRedisMultiProcess(MultiProcessTests):
+    """The durability suite's several-processes tests (REPL-1, REPL-4): real processes,
+    each with a RedisDurability of its own under the test's prefix, journal and claim the
+    same records at once (the kv suite above has its CAS test across processes)."""
+
+    @pytest.fixture
+    def botmesh_harness_factory(self, redis_url: str) -> HarnessFactory:
+        return lambda workdir: RedisHarness(workdir, url=redis_url)
 
 
 # --------------------------------------------------------------------------------------

@@ -82,8 +82,9 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert collected["scenarios"] >= len(shipped_scenario_files())
     assert memory["parts"]["scenarios"] == {"passed": collected["scenarios"], "failed": 0, "skipped": 0}
     suite = memory["parts"]["suite"]
-    # 5: four need survives_crash (the claims check among them), one multi_process
-    assert suite["failed"] == 0 and suite["skipped"] == outcomes["skipped"] == 5
+    # 9: four need survives_crash (the claims check among them), five multi_process (four of
+    # the durability suite, one of the kv suite)
+    assert suite["failed"] == 0 and suite["skipped"] == outcomes["skipped"] == 9
     assert suite["passed"] + collected["scenarios"] + collected["matrix"] + collected["explore"] == outcomes["passed"]
     assert memory["parts"]["explore"] == {"passed": 1, "failed": 0, "skipped": 0}
     assert memory["parts"]["matrix"] == {"passed": collected["matrix"], "failed": 0, "skipped": 0}
@@ -91,7 +92,7 @@ def test_a_json_report_of_a_certified_backend(pytester: pytest.Pytester) -> None
     assert memory["verdict_line"].startswith("certified at profile smoke")
     assert {"GUAR-3", "GUAR-4", "OUT-2"} <= set(memory["held"]) and memory["broken"] == []
     # the suite's skips, grouped by reason, name the claim memory does not make
-    assert sum(s["count"] for s in memory["skips"]) == 5
+    assert sum(s["count"] for s in memory["skips"]) == 9
     assert all(s["reason"].startswith("capability not claimed: ") and s["parts"] == ["suite"]
                for s in memory["skips"])
     assert {s["reason"] for s in memory["skips"]} == {"capability not claimed: survives_crash",
@@ -150,7 +151,7 @@ def test_a_markdown_report_has_a_table_per_backend(pytester: pytest.Pytester) ->
                 f"| scenarios | {scenarios} passed, 0 failed, 0 skipped |",
                 "| broken (0) | — |",
                 "| seed | 11 |",
-                "| skipped ×1 (suite) | capability not claimed: multi_process |"):
+                "| skipped ×5 (suite) | capability not claimed: multi_process |"):
         assert row in text, row
     assert "| held (" in text and "GUAR-4" in text
     assert "| pytest |" in text and "| botmesh-testkit |" in text

@@ -34,6 +34,11 @@ outside world saw.
   (:mod:`.result`).
 * :class:`Replicas` (:mod:`.replicas`) drives several children on one shared backend by
   hand: freeze one, let another take its leases, thaw it and read its ``stale_leases``.
+* :func:`run_workers` (:mod:`.workers`) runs N worker processes on one backend at once,
+  started together behind a barrier, each a seeded workload (:mod:`.contention`: CAS
+  increments, journal races, claim rounds) whose results come back to the parent — how
+  the conformance suite checks a ``multi_process`` claim
+  (:mod:`botmesh_testkit.checker.contention` judges them).
 
 A kill test in a few lines (the ``botmesh_kill_loop`` fixture of
 :mod:`botmesh_testkit.pytest.kill_plugin` builds a :class:`KillLoop` in ``tmp_path``)::
@@ -80,6 +85,7 @@ from .loop import KILLS, KillLoop
 from .parent import Delivery, Event, Incarnation, Mark, Run
 from .replicas import Replicas
 from .result import KillInfo, KillResult
+from .workers import Worker, WorkerOutcome, WorkersRun, run_workers
 from .spec import (
     SCOPE,
     BackendSpec,
@@ -122,6 +128,9 @@ __all__ = [
     "Run",
     "SQLiteSpec",
     "Violation",
+    "Worker",
+    "WorkerOutcome",
+    "WorkersRun",
     "as_kill_spec",
     "build_backend",
     "child",
@@ -131,6 +140,7 @@ __all__ = [
     "marker",
     "read_journal",
     "replies",
+    "run_workers",
     "spec_for",
     "spec_name",
 ]

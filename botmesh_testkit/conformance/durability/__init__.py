@@ -44,7 +44,11 @@ requirement, then what the backend did:
 * OPS — listing by state, replay of a dead inbound, retry, discard (OPS-2), retention
   purges only expired ``done``/``sent`` records (OPS-3);
 * REPL — concurrent claims have exactly one winner (REPL-1); with ``multi_process``,
-  two backends on the same storage see each other's claims exclusively (REPL-4);
+  two backends on the same storage see each other's claims exclusively (REPL-4), and
+  real processes (4, each building its own backend from the harness's ``kill_spec()``)
+  journal the same records (each created once: INB-4, OUT-2) and claim them in rounds
+  (one live lease per record, tokens that only grow, stale writes refused: REPL-1,
+  LEASE-2, REPL-3);
 * survival — with ``survives_crash``, everything acknowledged before ``harness.reopen()``
   is there after it: records, states, tokens, and both indexes (a leased record is still
   due at its ``lease_until``);
@@ -148,5 +152,6 @@ class DurabilityConformance(
     return ``factory(workdir) -> BackendHarness`` (what
     :func:`botmesh_testkit.backends.resolve` returns). The class attributes of
     :class:`DurabilitySuiteBase` (``timeout_seconds``, ``concurrent_tasks``,
-    ``clean_up_records``) may be overridden as well.
+    ``clean_up_records``) and of :class:`MultiProcessTests` (``processes``,
+    ``process_records``, ``process_rounds``, ``process_seed``) may be overridden as well.
     """

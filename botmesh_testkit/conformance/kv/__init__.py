@@ -33,6 +33,9 @@ and in ``@pytest.mark.spec``):
 * ``scan``: code-point key order, ``after``, ``limit``;
 * scope (SCOPE-2) and space isolation;
 * atomicity under concurrency: exactly one winner per CAS (REPL-1), exact counters;
+* with ``multi_process``, the same between real processes: 4 processes, each with its
+  own kv on the storage, make CAS increments on the same keys and none is lost (the
+  ``kv_factory`` callable is pickled into them with dill);
 * lifecycle: calls after ``close()`` raise ``BackendUnavailableError``; ``open`` and
   ``close`` are idempotent;
 * survival of a process death, only when ``capabilities.survives_crash`` is claimed
@@ -50,7 +53,7 @@ run this package. Tuning knobs are class attributes (``timeout_seconds``,
 The suite is composed of one mixin class per concern (the style of fsspec's abstract
 tests), each in a module of this package: :mod:`.cas`, :mod:`.values`, :mod:`.indexes`,
 :mod:`.inputs`, :mod:`.scan`, :mod:`.isolation`, :mod:`.concurrency`, :mod:`.lifecycle`,
-:mod:`.survival` and :mod:`.agreement` (the state machine), on the common ground of
+:mod:`.survival`, :mod:`.multi_process` and :mod:`.agreement` (the state machine), on the common ground of
 :mod:`.base` (the fixture, the runner, :class:`Scopes`). :class:`DurableKvConformance`
 is all of them; a project may bind fewer (``class TestMine(CasTests, ScanTests)``).
 """
@@ -65,6 +68,7 @@ from .indexes import IndexTests
 from .inputs import InputTests
 from .isolation import IsolationTests
 from .lifecycle import LifecycleTests
+from .multi_process import MultiProcessKvTests
 from .scan import ScanTests
 from .survival import SurvivalTests
 from .values import ValueTests
@@ -82,6 +86,7 @@ __all__ = [
     "KvFactory",
     "KvSuiteBase",
     "LifecycleTests",
+    "MultiProcessKvTests",
     "ScanTests",
     "Scopes",
     "SurvivalTests",
@@ -97,6 +102,7 @@ __all__ = [
 # state machine last).
 class DurableKvConformance(
     AgreementTests,
+    MultiProcessKvTests,
     SurvivalTests,
     LifecycleTests,
     ConcurrencyTests,
@@ -115,5 +121,7 @@ class DurableKvConformance(
     zero-argument callable that builds a new, unopened kv on the same storage at each
     call. The tuning knobs may be overridden as well: ``timeout_seconds``
     (:class:`KvSuiteBase`), ``concurrent_tasks`` (:class:`ConcurrencyTests`),
-    ``stateful_max_examples`` and ``stateful_step_count`` (:class:`AgreementTests`).
+    ``stateful_max_examples`` and ``stateful_step_count`` (:class:`AgreementTests`),
+    ``processes``, ``process_increments``, ``process_keys``, ``process_rounds`` and
+    ``process_seed`` (:class:`MultiProcessKvTests`).
     """
