@@ -320,7 +320,11 @@ class ExploreItem(ReportingItem):
         run = explore(self.backend, examples=self.examples, seconds=self.seconds, seed=self.seed,
                       database=self._cache(slug), crashes=crashes)
         self.user_properties.append(("botmesh_kill_report", [run.summary()]))
+        # the run, structured, for ``botmesh-testkit explore`` (which prints it its own way)
+        record: dict[str, Any] = {"summary": run.summary(), "examples": run.examples, "steps": run.steps,
+                                  "seconds": round(run.seconds, 3), "notes": list(run.notes)}
         if run.failure is None:
+            self.user_properties.append(("botmesh_explore", record))
             return
         failure = run.failure
         self.user_properties.append(("botmesh_violated", failure.ids))
@@ -330,12 +334,16 @@ class ExploreItem(ReportingItem):
         path.write_text(text, encoding="utf-8")
         base = rerun_base(self.config, self.seed)
         ids = f"[{', '.join(failure.ids)}] " if failure.ids else ""
-        lines = [run.summary(), f"  violated {ids}{failure.message}", *(f"  note: {n}" for n in run.notes),
-                 f"  the story (shrunk; on_ambiguous={failure.policy}, text_limit={failure.text_limit}), written to "
-                 f"{path}:"]
+        replay = (f"pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
+                  f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")
+        violated = f"violated {ids}{failure.message}"
+        shape = f"shrunk; on_ambiguous={failure.policy}, text_limit={failure.text_limit}"
+        record.update(violated=violated, story=str(path), story_lines=list(failure.lines), shape=shape, replay=replay)
+        self.user_properties.append(("botmesh_explore", record))
+        lines = [run.summary(), f"  {violated}", *(f"  note: {n}" for n in run.notes),
+                 f"  the story ({shape}), written to {path}:"]
         lines += [f"    {line}" for line in failure.lines]
-        lines.append(f"  replay it: pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
-                     f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")
+        lines.append(f"  replay it: {replay}")
         lines.append(f"  rerun explore: {base} --botmesh-parts=explore --botmesh-matrix={matrix_name(self.config)}")
         raise CellFailed("\n".join(lines))
 
