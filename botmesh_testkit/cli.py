@@ -205,7 +205,8 @@ class _ExploreCollector:
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         props = dict(report.user_properties)
-        backend = str(props.get("botmesh_backend", report.nodeid))
+        # a server-skip item names its backend in its node id only (botmesh-services::NAME)
+        backend = str(props.get("botmesh_backend", report.nodeid.partition("::")[2]))
         failed_setup = report.when == "setup" and report.outcome != "passed"
         if report.nodeid.startswith("botmesh-services::") and report.outcome == "skipped":
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
