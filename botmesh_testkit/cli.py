@@ -7,6 +7,12 @@
   status 1 when something failed, 2 on bad arguments. ``--cell ID`` reruns one cell (the
   command a failing cell prints); ``--junitxml PATH`` writes a JUnit report for CI;
   ``--report PATH`` the certification report (JSON, Markdown for ``.md``, HTML for ``.html``).
+* ``botmesh-testkit explore`` — the explore part alone (generated stories checked
+  against a model, :mod:`botmesh_testkit.explore`), through pytest and the plugin as
+  ``run`` is: per backend its headline (stories, steps, time), and for a failure the
+  violation, the shrunk story, the scenario file it was written to and the command that
+  replays it; exit status 0 when every backend's stories passed, 1 when one failed or
+  could not be explored (its server could not be provisioned), 2 on bad arguments.
 * ``botmesh-testkit points`` — the catalogue of crash points and the spec ids each one
   exercises.
 * ``botmesh-testkit spec [ID...]`` — the requirements: with ids, the full text of each
@@ -17,9 +23,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import math
 import random
 import sys
+from typing import Any, TextIO
 
 
 def _points(_: argparse.Namespace) -> int:
@@ -60,6 +70,58 @@ def _spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(minimum: int) -> Any:
+    """An argparse type: a whole number >= ``minimum`` (argparse names the option the
+    user typed in the error: abbreviations are off)."""
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{raw!r} must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def _seconds(raw: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{raw!r} must be a number of seconds > 0")
+    return value
+
+
+def _check_backends(backends: list[str]) -> bool:
+    """Whether every ``--backend`` resolves (else the error, naming the option, is printed)."""
+    from .backends.registry import BackendSpecError, resolve
+
+    for b in backends:
+        try:
+            resolve(b)
+        except BackendSpecError as exc:
+            print(f"botmesh-testkit: --backend {exc}", file=sys.stderr)
+            return False
+    return True
+
+
+def _pytest_argv(tmp: str, backends: list[str], matrix: str, seed: int) -> list[str]:
+    """The start of the inner pytest's arguments: an empty configuration of our own (the
+    caller's pytest.ini/pyproject — addopts, filterwarnings=error ... — must not change
+    what the job does), the backends, the profile, the seed."""
+    from pathlib import Path
+
+    ini = Path(tmp) / "pytest.ini"
+    ini.write_text("[pytest]\n", encoding="utf-8")
+    return ["-c", str(ini), "--rootdir", tmp, "-p", "no:cacheprovider", "-q", "--tb=short",
+            *(f"--botmesh-backend={b}" for b in backends), f"--botmesh-matrix={matrix}", f"--botmesh-seed={seed}"]
+
+
 def _run(args: argparse.Namespace) -> int:
     """The main job, through pytest and the plugin: the conformance suite, the GUAR
     scenarios and the crash matrix against each backend, then the plugin's summary."""
@@ -68,17 +130,12 @@ def _run(args: argparse.Namespace) -> int:
 
     import pytest
 
-    from .backends.registry import BackendSpecError, resolve
     from .matrix.cells import Cell
     from .matrix.profiles import ProfileError, load_profile
 
     backends = args.backend or ["sqlite"]
-    for b in backends:
-        try:
-            resolve(b)
-        except BackendSpecError as exc:
-            print(f"botmesh-testkit: --backend {exc}", file=sys.stderr)
-            return 2
+    if not _check_backends(backends):
+        return 2
     try:
         profile = load_profile(args.matrix)
     except ProfileError as exc:
@@ -95,19 +152,15 @@ def _run(args: argparse.Namespace) -> int:
     print(f"botmesh-testkit run: backend(s) {', '.join(backends)}; matrix {profile.name!r} ({profile.description}); "
           f"seed {seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="botmesh-run-") as tmp:
-        # an empty configuration of our own: the caller's pytest.ini/pyproject (addopts,
-        # filterwarnings=error ...) must not change what the job does
-        ini = Path(tmp) / "pytest.ini"
-        ini.write_text("[pytest]\n", encoding="utf-8")
-        argv = ["-c", str(ini), "--rootdir", tmp, "-p", "no:cacheprovider", "-q", "--tb=short",
-                *(f"--botmesh-backend={b}" for b in backends), f"--botmesh-matrix={args.matrix}",
-                f"--botmesh-seed={seed}"]
+        argv = _pytest_argv(tmp, backends, args.matrix, seed)
         if args.cell:
             argv += [f"--botmesh-cell={args.cell}", "--botmesh-parts=matrix"]
         elif args.parts:
             argv.append(f"--botmesh-parts={args.parts}")
         if args.explore_examples is not None:
             argv.append(f"--botmesh-explore-examples={args.explore_examples}")
+        if args.explore_seconds is not None:
+            argv.append(f"--botmesh-explore-seconds={args.explore_seconds!r}")
         for folder in args.scenarios or []:
             argv.append(f"--botmesh-scenarios={folder}")
         if args.junitxml:
@@ -130,9 +183,112 @@ def _run(args: argparse.Namespace) -> int:
     return 2
 
 
+class _ExploreCollector:
+    """A plugin of the inner pytest run of ``botmesh-testkit explore``: gathers each
+    backend's explore outcome (the ``botmesh_explore`` record its item attaches), and
+    prints it as soon as that backend is done — the run takes minutes, and pytest's own
+    output goes to a buffer shown only when something else went wrong."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.outcomes: dict[str, str] = {}
+        """Backend -> ``passed``, ``failed`` or ``skipped``."""
+        self.problems: list[str] = []
+        """What failed besides a story: collection errors, an item that crashed."""
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        if nodeid.startswith("botmesh-explore::"):
+            self._say(f"exploring {nodeid.removeprefix('botmesh-explore::')} ...")
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        props = dict(report.user_properties)
+        # a server-skip item names its backend in its node id only (botmesh-services::NAME)
+        backend = str(props.get("botmesh_backend", report.nodeid.partition("::")[2]))
+        failed_setup = report.when == "setup" and report.outcome != "passed"
+        if report.nodeid.startswith("botmesh-services::") and report.outcome == "skipped":
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.outcomes[backend] = "skipped"
+            self._say(f"{backend}: NOT EXPLORED — {str(reason).removeprefix('Skipped: ')}")
+            return
+        if not report.nodeid.startswith("botmesh-explore::") or not (report.when == "call" or failed_setup):
+            return
+        record = props.get("botmesh_explore")
+        self.outcomes[backend] = report.outcome
+        if not isinstance(record, dict):  # the item did not get to run explore (a harness that raised ...)
+            self._say(f"explore on {backend}: {report.outcome.upper()}")
+            if report.outcome != "passed":
+                self._say(report.longreprtext)
+            return
+        self._say(str(record["summary"]))
+        for note in record.get("notes", []):
+            self._say(f"  note: {note}")
+        if "story" in record:
+            self._say(f"  {record['violated']}")
+            self._say(f"  the story ({record['shape']}):")
+            for line in record["story_lines"]:
+                self._say(f"    {line}")
+            self._say(f"  story file: {record['story']}")
+            self._say(f"  replay it: {record['replay']}")
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self.problems.append(report.longreprtext)
+
+
+def _explore(args: argparse.Namespace) -> int:
+    """The explore part alone, through pytest and the plugin (as ``run``: the same
+    backends, server provisioning and items), its outcome printed per backend."""
+    import tempfile
+
+    import pytest
+
+    from .matrix.profiles import load_profile
+
+    backends = args.backend or ["sqlite"]
+    if not _check_backends(backends):
+        return 2
+    profile = load_profile("smoke")
+    examples = args.examples if args.examples is not None else profile.explore_examples
+    seconds = args.seconds if args.seconds is not None else profile.explore_seconds
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
+    print(f"botmesh-testkit explore: backend(s) {', '.join(backends)}; up to {examples} stories per backend, none "
+          f"started after {seconds:g} s; seed {seed}", flush=True)
+    collector = _ExploreCollector(sys.stdout)
+    inner = io.StringIO()
+    with tempfile.TemporaryDirectory(prefix="botmesh-explore-") as tmp:
+        argv = [*_pytest_argv(tmp, backends, "smoke", seed), "--botmesh-parts=explore",
+                f"--botmesh-explore-examples={examples}", f"--botmesh-explore-seconds={seconds!r}"]
+        if args.require_services:
+            argv.append("--botmesh-require-services")
+        argv.append(tmp)
+        with contextlib.redirect_stdout(inner):
+            code = int(pytest.main(argv, plugins=[collector]))
+    for problem in collector.problems:
+        print(problem)
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or collector.problems:
+        print(inner.getvalue(), end="")  # what pytest said: the cause is in there
+        return 1 if code == pytest.ExitCode.TESTS_FAILED else 2
+    missing = [b for b in backends if b not in collector.outcomes]
+    for b in missing:
+        print(f"{b}: NOT EXPLORED — no explore item ran for it")
+    bad = [b for b in backends if collector.outcomes.get(b) != "passed"]
+    if bad:
+        rerun = " ".join([*(f"--backend {b}" for b in backends), f"--seed {seed}", f"--examples {examples}",
+                          f"--seconds {seconds:g}"])
+        print(f"explore FAILED on {', '.join(bad)}; rerun: botmesh-testkit explore {rerun}")
+        return 1
+    print(f"explore passed on {', '.join(backends)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    from .backends.registry import HARNESSES
-    from .matrix.profiles import builtin_names
+    from .backends.registry import HARNESSES, SERVICE_BACKENDS
+    from .matrix.profiles import builtin_names, load_profile
+
+    smoke = load_profile("smoke")
 
     parser = argparse.ArgumentParser(prog="botmesh-testkit", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cell", help="run one cell only: BACKEND/WORKLOAD/POLICY/WHEN:POINT#N")
     run.add_argument("--parts", metavar="LIST",
                      help="comma-separated parts: suite, scenarios, matrix, explore, kills, powercuts (default: all)")
-    run.add_argument("--explore-examples", type=int, metavar="N",
-                     help="generated stories per backend in the explore part (default: the profile's)")
+    run.add_argument("--explore-examples", type=_count(0), metavar="N",
+                     help="generated stories per backend in the explore part (default: the profile's explore_examples)")
+    run.add_argument("--explore-seconds", type=_seconds, metavar="S",
+                     help="real seconds after which the explore part starts no new story, per backend (default: the "
+                          "profile's explore_seconds)")
     run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
     run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
     run.add_argument("--report", metavar="PATH",
@@ -157,6 +316,29 @@ def main(argv: list[str] | None = None) -> int:
                      help="fail when a postgres/redis server cannot be provisioned instead of skipping")
     run.add_argument("-q", "--quiet", action="store_true", help="less output")
     run.set_defaults(fn=_run)
+    exp = sub.add_parser(
+        "explore", allow_abbrev=False,
+        help="explore alone: generated stories against a model; a failure shrunk to a scenario file",
+        description="Run the explore part alone: Hypothesis's stateful testing drives a bot on each backend through "
+                    "generated stories (receives with drawn plans, redeliveries, channel faults, deaths at crash "
+                    "points, restarts, virtual time), checking a model after every step. Prints per backend its "
+                    "stories, steps and time; a failure is shrunk and written out as a scenario file, printed with "
+                    "the command that replays it. Exit status 0 when every backend passed, 1 when one failed or "
+                    "could not be explored, 2 on bad arguments. The defaults are the smoke profile's budget.")
+    exp.add_argument("--backend", action="append", metavar="NAME",
+                     help=f"backend to explore (repeatable; default sqlite): {', '.join([*HARNESSES, *SERVICE_BACKENDS])}, "
+                          "a registered name, or pkg.module:factory (importable from the current directory or "
+                          "PYTHONPATH)")
+    exp.add_argument("--seed", type=int, help="seed of the stories (default: drawn, and printed)")
+    exp.add_argument("--examples", type=_count(1), metavar="N",
+                     help=f"stories per backend at most (default: the smoke profile's, {smoke.explore_examples})")
+    exp.add_argument("--seconds", type=_seconds, metavar="S",
+                     help="real seconds per backend after which no new story starts (default: the smoke profile's, "
+                          f"{smoke.explore_seconds:g}; shrinking a failure may add up to a minute)")
+    exp.add_argument("--require-services", action="store_true",
+                     help="a postgres/redis server that cannot be provisioned is an error (exit status 2) rather "
+                          "than a backend not explored (exit status 1)")
+    exp.set_defaults(fn=_explore)
     points = sub.add_parser("points", help="list the crash points and the spec ids they exercise")
     points.set_defaults(fn=_points)
     spec = sub.add_parser("spec", help="print the requirements the ids name (all, or the ids given)")

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from botmesh.core.content import legacy_part_key, part_key, split_text
 from botmesh.core.records import InboxRecord, OutboxRecord
 
 from .rules import delivery_violation
@@ -90,6 +91,25 @@ def _charged_deaths(incarnations: Iterable[Incarnation]) -> dict[str, int]:
     return dict(deaths)
 
 
+def _ambiguous_items(orec: OutboxRecord, out_by_key: dict[str, OutboxRecord],
+                     text_limit: int | None) -> list[tuple[str, str]]:
+    """The ``(chat, text)`` sends an ambiguous record stands for. Usually its own text.
+    But a record journaled whole and claimed before its split landed (the process died
+    in between; the engine splits a claimed record after the claim, OUT-13) is left
+    ``unknown`` under ``skip`` with its whole text, never split: what it stands for is
+    the first part, plus every later part that was never journaled as a record of its
+    own (those are never sent; the ones that were journaled are sent and judged by
+    their own records)."""
+    text = str(orec.content.get("text"))
+    parts = split_text(text, text_limit) if text_limit is not None and len(text) > text_limit else [text]
+    items = [(orec.chat_id, parts[0])]
+    if orec.part == 1:
+        for i, part in enumerate(parts[1:], 2):
+            if part_key(orec.key, i) not in out_by_key and legacy_part_key(orec.key, i) not in out_by_key:
+                items.append((orec.chat_id, part))
+    return items
+
+
 def judge(
     *,
     policy: str,
@@ -103,13 +123,15 @@ def judge(
     incarnations: list[Incarnation],
     oracle: KillOracle | None = None,
     fail_rate: float = 0.0,
+    text_limit: int | None = None,
 ) -> tuple[list[Violation], Accounting]:
     """The history checker of a real-process run. Pure: it reads the evidence — the
     messages fed and acknowledged, the final journals (read after the last child
     ended), the delivery ledger, the events and markers of every incarnation, and
     optionally a run without harness kills (the oracle) — and returns the violations
     (with requirement ids, as :func:`botmesh_testkit.checker.history.check`) and how each
-    duplicate and loss was accounted for."""
+    duplicate and loss was accounted for. ``text_limit``: the channel's, when it split
+    long texts (OUT-12, OUT-13) — see :func:`_ambiguous_items`."""
     v: list[Violation] = []
     acc = Accounting()
     acked = set(acked)
@@ -225,9 +247,9 @@ def judge(
         for key in set(amb_events) | {k for k, r in out_by_key.items() if r.state == "unknown"}:
             orec = out_by_key.get(key)
             if orec is not None:
-                item = (orec.chat_id, str(orec.content.get("text")))
-                amb_keys[item] += 1
-                amb_times[item] += max(1, len(set(amb_events.get(key, []))))
+                for item in _ambiguous_items(orec, out_by_key, text_limit):
+                    amb_keys[item] += 1
+                    amb_times[item] += max(1, len(set(amb_events.get(key, []))))
         for item in sorted(set(oracle.deliveries) | set(delivered)):
             amb_n = amb_times[item] if policy == "resend" else amb_keys[item]
             broken = delivery_violation(policy, item, oracle.deliveries[item], delivered[item], amb_n, excused[item])

@@ -190,8 +190,16 @@ def _info(op: str, kwargs: dict[str, Any], result: Any) -> dict[str, Any]:
 
 class MarkedBackend(InterceptedBackend):
     """Wraps the child's backend: a marker before and after each write (or when it
-    raised), and the outbox key in flight per chat (so the ledger can name the key of
-    each delivery)."""
+    raised), and the outbox key in flight per chat with the text it is about to send (so
+    the ledger can name the key of each delivery).
+
+    What the channel gets is the text of the record last claimed (or journaled in flight)
+    for that chat — unless the engine splits that record afterwards (OUT-13): a record
+    journaled whole and claimed before its split landed (the process died between the
+    two) is split *after* the claim, by whoever recovers it, and its first part is what
+    goes out. So a split of the key in flight replaces the text in flight
+    (:meth:`_track`); the later parts are records of their own, each claimed before it is
+    sent."""
 
     def __init__(self, inner: DurabilityBackend, markers: _Markers, sending: dict[str, tuple[str, Any]]) -> None:
         super().__init__(inner)
@@ -207,10 +215,12 @@ class MarkedBackend(InterceptedBackend):
         self.markers.mark("raised", op, token, {"error": repr(exc)})
 
     def after_write(self, op: str, token: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-        self._track(op, result)
+        self._track(op, token, kwargs, result)
         self.markers.mark("after", op, token, _info(op, kwargs, result))
 
-    def _track(self, op: str, result: Any) -> None:
+    def _track(self, op: str, key: Any, kwargs: dict[str, Any], result: Any) -> None:
+        """Keep :attr:`sending` (chat -> (key, text) in flight) up to date after write
+        ``op`` about ``key`` returned ``result``."""
         rec: OutboxRecord | None = None
         if op == "outbox.journal" and isinstance(result, tuple) and result[1] and result[0].state == "sending":
             rec = result[0]
@@ -218,6 +228,17 @@ class MarkedBackend(InterceptedBackend):
             rec = result[0]
         if rec is not None:
             self.sending[rec.chat_id] = (rec.key, rec.content.get("text"))
+        elif op == "outbox.split" and isinstance(kwargs.get("content"), dict):
+            # A split under the claim's token is followed by the send of its first part
+            # even when the backend refused it (the lease was lost: a stale completion
+            # is refused later, the send itself is not recalled); a split before the
+            # claim (token None) only matters when it landed, and the claim that follows
+            # records the part's text anyway.
+            if kwargs.get("token") is None and result is not True:
+                return
+            for chat, (in_flight, _) in list(self.sending.items()):
+                if in_flight == key:
+                    self.sending[chat] = (key, kwargs["content"].get("text"))
 
 
 class LedgerProvider(Provider):

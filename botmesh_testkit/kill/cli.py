@@ -17,6 +17,18 @@ from .childproc import replies
 from .loop import KILLS, KillLoop
 
 
+def _text_limit(raw: str) -> int:
+    """``--text-limit``: a whole number of characters >= 1 (argparse names the option
+    in the error)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of characters >= 1, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of characters >= 1, got {raw!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m botmesh_testkit.kill``: one kill loop on a file, SQLite, PostgreSQL or
     Redis backend, its report printed; exit status 0 when the run passed.
@@ -40,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed of the loop (default: drawn, and printed)")
     p.add_argument("--policy", choices=POLICIES, default="skip")
     p.add_argument("--replies", type=int, default=2)
+    p.add_argument("--text-limit", type=_text_limit, default=None, metavar="N",
+                   help="the channel's text limit: each reply ('msg <i>/reply <n>') longer than N characters is "
+                        "split into parts (OUT-12, OUT-13), so kills land between the parts' writes and sends "
+                        "(default: no limit)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--start-method", default="forkserver", choices=["forkserver", "spawn"])
     p.add_argument("-v", "--verbose", action="store_true")
@@ -84,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = harness.kill_spec()
     assert spec is not None  # a child reaches the storage of every --backend choice
     loop = KillLoop(spec, replies(args.replies), messages=args.messages, kills=args.kills, seed=args.seed,
-                    on_ambiguous=args.policy, workdir=workdir, start_method=args.start_method,
+                    on_ambiguous=args.policy, workdir=workdir, start_method=args.start_method, text_limit=args.text_limit,
                     progress=print if args.verbose else None)
     result = loop.run()
     print(result.report())

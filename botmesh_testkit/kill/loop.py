@@ -83,7 +83,10 @@ class KillLoop:
     freezes at a random marker (before/after a journal write, a provider send, a
     handler) and is killed there; otherwise it is killed after a random delay (anywhere:
     inside a write, a handler, the startup). ``on_ambiguous`` is the outbox policy under
-    test. ``oracle``: run the same messages once without kills on SQLite first and
+    test. ``text_limit``: the channel's text limit — longer texts are split into parts
+    (OUT-12, OUT-13), so kills land between the parts' journal writes, splits and sends;
+    the reproduce command carries it (``--text-limit``). ``oracle``: run the same
+    messages once without kills on SQLite first and
     compare deliveries with it (as the crash matrix does). ``drain_timeout``: seconds the
     last child gets to settle everything; past it the result fails, naming what is left.
     """
@@ -121,6 +124,9 @@ class KillLoop:
     ) -> None:
         if on_ambiguous not in POLICIES:
             raise ValueError(f"on_ambiguous must be one of {POLICIES}, got {on_ambiguous!r}")
+        if text_limit is not None and (not isinstance(text_limit, int) or isinstance(text_limit, bool) or text_limit < 1):
+            raise ValueError(f"text_limit must be a whole number of characters >= 1 (or None: no limit), "
+                             f"got {text_limit!r}")
         if handler is None and setup is None:
             handler = replies(2)
         self.backend_spec = backend_spec
@@ -156,6 +162,8 @@ class KillLoop:
         self._kw = dict(messages=messages if isinstance(messages, int) else len(self.messages), kills=kills, seed=seed,
                         on_ambiguous=on_ambiguous, chats=chats, max_attempts=max_attempts, lease_ms=lease_ms,
                         poll_ms=poll_ms, concurrency=concurrency, fail_rate=fail_rate, marker_share=marker_share)
+        if text_limit is not None:  # only when set: the call form of a loop without one stays as it was
+            self._kw["text_limit"] = text_limit
 
     # -- public --------------------------------------------------------------------------
     @cached_property
@@ -209,7 +217,8 @@ class KillLoop:
 
                 server = f" --{spec.kind}-url {shlex.quote(redact_url(spec.url))}"
             cli = (f"python -m botmesh_testkit.kill --backend {backend}{server} --messages {self._kw['messages']} "
-                   f"--kills {self.kills} --seed {self.seed} --policy {self.policy} --replies {self.handler.n}")
+                   f"--kills {self.kills} --seed {self.seed} --policy {self.policy} --replies {self.handler.n}"
+                   + (f" --text-limit {self.text_limit}" if self.text_limit is not None else ""))
             return cli + (f"  (or pytest {shlex.quote(node)})" if node else "")
         return (f"pytest {shlex.quote(node)}  # " if node else "") + call
 
@@ -427,7 +436,7 @@ class KillLoop:
         found, acc = judge(
             policy=self.policy, max_attempts=self.max_attempts, messages=run.messages, acked=run.acked,
             inbox=inbox, outbox=outbox, ledger=ledger, events=run.events, incarnations=run.incarnations,
-            oracle=oracle, fail_rate=self.fail_rate,
+            oracle=oracle, fail_rate=self.fail_rate, text_limit=self.text_limit,
         )
         violations += found
         stray = run.stray_pids()

@@ -86,7 +86,8 @@ class KillResult:
                       if losses and self.passed else "")
         modes = Counter(k.mode for k in self.kills)
         lines = [
-            f"{self.label} on {self.backend}, on_ambiguous={self.policy}, seed {self.seed}: "
+            f"{self.label} on {self.backend}, on_ambiguous={self.policy}"
+            f"{f', text_limit={limit}' if (limit := self.params.get('text_limit')) is not None else ''}, seed {self.seed}: "
             f"{'passed' if self.passed else f'FAILED, {len(self.violations)} violation(s)'} ({self.seconds:.1f} s)",
             f"  kills: {len(self.kills)} ({', '.join(f'{m} {c}' for m, c in sorted(modes.items())) or 'none'}); "
             f"self-deaths: {self.self_deaths}; incarnations: {self.incarnations}",

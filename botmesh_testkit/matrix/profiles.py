@@ -25,8 +25,8 @@ KILL_MESSAGES = 20
 ``messages`` of :class:`~botmesh_testkit.kill.KillLoop` and the kill command line's
 ``--messages``."""
 
-KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "power_cuts", "io_errors",
-        "explore_examples", "explore_seconds")
+KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "kill_text_limit",
+        "power_cuts", "io_errors", "explore_examples", "explore_seconds")
 """Every key a profile file may have (``matrices/README.md`` says what each means)."""
 
 
@@ -51,6 +51,12 @@ class Profile:
     kills: int = 0
     """Real SIGKILLs per kill loop (one loop per backend and policy; 0: no kill loops)."""
     kill_messages: int = KILL_MESSAGES
+    kill_text_limit: int = 0
+    """The kill loops' channel text limit: a reply longer than this many characters is
+    split into parts (OUT-12, OUT-13), so kills land between the parts' writes and sends
+    (0: no limit). The built-in handler's replies are ``msg <i>/reply <n>``: 13 splits
+    those of messages 10 and up and leaves those of messages 1..9 whole, so each loop
+    has both."""
     power_cuts: int = 0
     """Kills, each followed by a power cut, per power-cut loop (one loop per backend and
     policy, over ``kill_messages`` messages; for backends that claim ``survives_crash``
@@ -102,7 +108,7 @@ def load_profile(name_or_path: str) -> Profile:
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ProfileError(f"{path}: random_per_workload must be an integer >= 0, got {count!r}")
     counts = {}
-    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES), ("power_cuts", 0)):
+    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES), ("kill_text_limit", 0), ("power_cuts", 0)):
         value = data.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ProfileError(f"{path}: {key} must be an integer >= 0, got {value!r}")

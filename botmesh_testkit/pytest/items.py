@@ -140,15 +140,18 @@ class BrokenDryRunItem(ReportingItem):
 
 class KillLoopItem(ReportingItem):
     """A real kill loop (:class:`~botmesh_testkit.kill.KillLoop`) on one backend and
-    policy: ``kills`` SIGKILLs of a child process running the bot."""
+    policy: ``kills`` SIGKILLs of a child process running the bot, whose channel splits
+    texts over ``text_limit`` characters (None: no limit)."""
 
-    def __init__(self, *, backend: str, policy: str, kills: int, messages: int, seed: int, **kwargs: Any) -> None:
+    def __init__(self, *, backend: str, policy: str, kills: int, messages: int, seed: int,
+                 text_limit: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.backend = backend
         self.policy = policy
         self.kills = kills
         self.messages = messages
         self.seed = seed
+        self.text_limit = text_limit
         self.add_marker(pytest.mark.spec("GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "INB-2", "INB-7", "OUT-2", "OUT-14",
                                          "LEASE-2", "LEASE-4", "TEST-3"))
         self.user_properties.append(("botmesh_backend", backend))
@@ -170,7 +173,8 @@ class KillLoopItem(ReportingItem):
                 pytest.skip(f"backend {self.backend}: a child process cannot reach its storage")
             try:
                 result = KillLoop(spec, kills=self.kills, messages=self.messages, seed=self.seed,
-                                  on_ambiguous=self.policy, workdir=os.path.join(tmp, "loop")).run()
+                                  on_ambiguous=self.policy, text_limit=self.text_limit,
+                                  workdir=os.path.join(tmp, "loop")).run()
             finally:
                 asyncio.run(resolve(self.backend)(tmp).close())  # drop what the children left (tables, keys)
         self.user_properties.append(("botmesh_kill_report", result.report().splitlines()[0:5]))
@@ -316,7 +320,11 @@ class ExploreItem(ReportingItem):
         run = explore(self.backend, examples=self.examples, seconds=self.seconds, seed=self.seed,
                       database=self._cache(slug), crashes=crashes)
         self.user_properties.append(("botmesh_kill_report", [run.summary()]))
+        # the run, structured, for ``botmesh-testkit explore`` (which prints it its own way)
+        record: dict[str, Any] = {"summary": run.summary(), "examples": run.examples, "steps": run.steps,
+                                  "seconds": round(run.seconds, 3), "notes": list(run.notes)}
         if run.failure is None:
+            self.user_properties.append(("botmesh_explore", record))
             return
         failure = run.failure
         self.user_properties.append(("botmesh_violated", failure.ids))
@@ -326,12 +334,16 @@ class ExploreItem(ReportingItem):
         path.write_text(text, encoding="utf-8")
         base = rerun_base(self.config, self.seed)
         ids = f"[{', '.join(failure.ids)}] " if failure.ids else ""
-        lines = [run.summary(), f"  violated {ids}{failure.message}", *(f"  note: {n}" for n in run.notes),
-                 f"  the story (shrunk; on_ambiguous={failure.policy}, text_limit={failure.text_limit}), written to "
-                 f"{path}:"]
+        replay = (f"pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
+                  f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")
+        violated = f"violated {ids}{failure.message}"
+        shape = f"shrunk; on_ambiguous={failure.policy}, text_limit={failure.text_limit}"
+        record.update(violated=violated, story=str(path), story_lines=list(failure.lines), shape=shape, replay=replay)
+        self.user_properties.append(("botmesh_explore", record))
+        lines = [run.summary(), f"  {violated}", *(f"  note: {n}" for n in run.notes),
+                 f"  the story ({shape}), written to {path}:"]
         lines += [f"    {line}" for line in failure.lines]
-        lines.append(f"  replay it: pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
-                     f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")
+        lines.append(f"  replay it: {replay}")
         lines.append(f"  rerun explore: {base} --botmesh-parts=explore --botmesh-matrix={matrix_name(self.config)}")
         raise CellFailed("\n".join(lines))
 
@@ -424,7 +436,8 @@ def explore_items(session: pytest.Session, config: pytest.Config, backends: list
 
 
 def kill_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:
-    """The profile's kill loops: one item per backend and policy."""
+    """The profile's kill loops: one item per backend and policy, each with the
+    profile's channel text limit (``kill_text_limit``)."""
     from ..matrix.profiles import load_profile
 
     profile = load_profile(matrix_name(config))
@@ -437,7 +450,8 @@ def kill_items(session: pytest.Session, config: pytest.Config, backends: list[st
         for policy in profile.policies:
             name = f"botmesh-kills::{backend}/{policy}/{profile.kills}-kills"
             items.append(KillLoopItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
-                                                  kills=profile.kills, messages=profile.kill_messages, seed=seed))
+                                                  kills=profile.kills, messages=profile.kill_messages, seed=seed,
+                                                  text_limit=profile.kill_text_limit or None))
     return items
 
 
