@@ -4,8 +4,9 @@ package so that a third party certifies its backend in its own repository.
 * :mod:`botmesh_testkit.conformance.kv` — :class:`DurableKvConformance`, the suite of
   the :class:`botmesh.core.spi.DurableKv` contract: compare-and-set with versions, the
   two ordered indexes, scans, scope and space isolation, atomicity under concurrency
-  (between real processes too, when ``multi_process`` is claimed), lifecycle, survival of a crash (when claimed) and step-by-step agreement with
-  :class:`botmesh.core.MemoryKv`, the reference.
+  (between real processes too, when ``multi_process`` is claimed), lifecycle, survival
+  of a crash (when claimed) and step-by-step agreement with :class:`botmesh.core.MemoryKv`,
+  the reference.
 * :mod:`botmesh_testkit.conformance.durability` — :class:`DurabilityConformance`, the
   suite of the durability backend contract (:class:`botmesh.core.backend.DurabilityBackend`):
   every INB, OUT, LEASE, SCOPE and OPS requirement the backend contract makes checkable

@@ -15,7 +15,7 @@ temporary directory, with its own event loop; each step has a real-time budget
 
 Budget and reproduction: :func:`explore` runs at most ``examples`` examples and stops
 starting new ones once ``seconds`` have passed (checked between chunks of
-:data:`CHUNK` examples, each chunk seeded ``seed + i``, so a run that was not cut by
+:data:`CHUNK` examples, the first chunk always runs; each chunk seeded ``seed + i``, so a run not cut by
 time is the same run again under the same seed). With a ``database`` directory
 (the plugin's: ``.pytest_cache/d/botmesh-explore/<backend>``) a failure found once is
 replayed first by the next run, as Hypothesis does. Shrinking a failure is
@@ -290,7 +290,7 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
     db = DirectoryBasedExampleDatabase(str(database)) if database is not None else None
     done = chunk = 0
     while done < examples:
-        if time.monotonic() - started >= seconds:
+        if chunk and time.monotonic() - started >= seconds:  # the first chunk always runs
             run.cut_by_time = True
             break
         n = min(CHUNK, examples - done)
