@@ -430,16 +430,18 @@ class LazyFileKv(FileKv):
         self.every = every
         self.unflushed = 0
 
-    def _commit(self, scope: str, space: str, key: str, entry: Any, version: int) -> None:
-        space_map = self._records.setdefault((scope, space), {})
-        if entry is None:
-            space_map.pop(key, None)
-        else:
-            space_map[key] = entry
-        self.unflushed += 1
-        if self.unflushed >= self.every:
-            self._write_snapshot(self._records, self._seq)
-            self.unflushed = 0
+    def _commit(self, changes: list[Any]) -> list[int]:
+        for change in changes:
+            space_map = self._records.setdefault((change.scope, change.space), {})
+            if change.entry is None:
+                space_map.pop(change.key, None)
+            else:
+                space_map[change.key] = change.entry
+            self.unflushed += 1
+            if self.unflushed >= self.every:
+                self._write_snapshot(self._records, self._seq)
+                self.unflushed = 0
+        return [change.version for change in changes]
 
     async def close(self) -> None:
         if self.is_open and self.unflushed:

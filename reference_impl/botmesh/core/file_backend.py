@@ -21,6 +21,14 @@ Writes (BACK-4, BACK-6):
   renamed, leaving an empty or partial snapshot that no longer opens
   (``SNAPSHOT_CORRUPT``): the rename is atomic only against a process crash. So a
   journal opened with ``fsync=False`` does not claim ``survives_crash``.
+* **Group commit**: writes made at the same moment by different tasks (different
+  chats) share one append of all their lines and one fsync — or one snapshot rewrite
+  without the append log (:mod:`botmesh.core.group_commit`). Each is acknowledged only
+  once that one fsync returned; a failed append or fsync fails every write of the group.
+  Writes of one key never share a group: a compare-and-set waits for the key's write in
+  flight to settle and is checked against durable state. Since a group is written with
+  one ``write`` and fsynced before the next is written, at most one group is ever
+  unsynced, and a power cut leaves all of it, none of it, or a torn prefix of it.
 * A write reaches the file before it reaches memory: a write that raised
   ``BackendUnavailableError`` left memory unchanged and, when the file could be put back
   (a failed append is truncated away), the file too. When the file cannot be put back

@@ -11,7 +11,8 @@ import copy
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from .errors import BackendUnavailableError, ConfigError, JournalLockedError, VersionConflict
 from .file_format import (
@@ -28,6 +29,7 @@ from .file_format import (
     snapshot_bytes,
 )
 from .fileio import FileIO, default_io
+from .group_commit import GroupCommit
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
@@ -45,6 +47,18 @@ DEFAULT_COMPACT_BYTES = 4 * 1024 * 1024
 # BACK-table lock; the lock file only sees other processes).
 _open_paths: set[str] = set()
 _open_paths_guard = threading.Lock()
+
+
+class _Change(NamedTuple):
+    """One write of a group: ``entry`` None for a delete; ``version`` the version a put
+    creates or a delete removes; ``encoded`` the value as ``encode_value`` returned it."""
+
+    scope: str
+    space: str
+    key: str
+    entry: Entry | None
+    version: int
+    encoded: str | None
 
 
 class _SnapshotWriteFailed(Exception):
@@ -154,9 +168,8 @@ class FileKv(DurableKv):
         # Set when the file could not be put back into a known state after a failed
         # write: every call then fails until the journal is reopened from disk.
         self._broken: str | None = None
-        # No await happens between a write's version check and its commit, so writes are
-        # already atomic between tasks; the lock keeps them so if that ever changes.
-        self._write_lock = asyncio.Lock()
+        # Concurrent writes share one append + fsync (or one snapshot): group commit.
+        self._group: GroupCommit[_Change, int] = GroupCommit(self._commit)
 
     # -- public properties ---------------------------------------------------------------
     @property
@@ -277,44 +290,48 @@ class FileKv(DurableKv):
         expires: float | None = None,
     ) -> int:
         """See :meth:`DurableKv.put`. The write is on file (and fsync'ed when ``fsync``)
-        before it is applied in memory and acknowledged."""
+        before it is applied in memory and acknowledged; concurrent writes share that
+        append and fsync (group commit, :mod:`botmesh.core.group_commit`)."""
         due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
         stored = check_json_object(value)
         encoded = encode_value(stored, f"{scope}/{space}/{key}")
         self._check()
-        async with self._write_lock:
+
+        def prepare() -> _Change:
             self._check()
             current = self._records.get((scope, space), {}).get(key)
             current_version = 0 if current is None else current[1]
-            conflict: VersionConflict | None
             if current_version != expected_version:
-                conflict = VersionConflict.at(space, key, expected_version, current_version)
-            else:
-                conflict = None
-                entry: Entry = (stored, expected_version + 1, due_score, expires_score)
-                self._commit(scope, space, key, entry, expected_version + 1, encoded)
-        await asyncio.sleep(0)
-        if conflict is not None:
-            raise conflict
-        return expected_version + 1
+                raise VersionConflict.at(space, key, expected_version, current_version)
+            entry: Entry = (stored, expected_version + 1, due_score, expires_score)
+            return _Change(scope, space, key, entry, expected_version + 1, encoded)
+
+        return await self._write((scope, space, key), prepare)
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """See :meth:`DurableKv.delete`."""
         check_delete(scope, space, key, expected_version)
         self._check()
-        async with self._write_lock:
+
+        def prepare() -> _Change:
             self._check()
             current = self._records.get((scope, space), {}).get(key)
             current_version = 0 if current is None else current[1]
-            conflict: VersionConflict | None
             if current is None or current_version != expected_version:
-                conflict = VersionConflict.at(space, key, expected_version, current_version)
-            else:
-                conflict = None
-                self._commit(scope, space, key, None, expected_version)
-        await asyncio.sleep(0)
-        if conflict is not None:
-            raise conflict
+                raise VersionConflict.at(space, key, expected_version, current_version)
+            return _Change(scope, space, key, None, expected_version, None)
+
+        await self._write((scope, space, key), prepare)
+
+    async def _write(self, record: tuple[str, str, str], prepare: Callable[[], _Change]) -> int:
+        """Check (``prepare``) and queue one change, then wait until its group is on file
+        (:mod:`botmesh.core.group_commit`); a conflict is raised after one suspension
+        point, as MemoryKv does."""
+        try:
+            return await self._group.submit(record, prepare)
+        except VersionConflict:
+            await asyncio.sleep(0)
+            raise
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
@@ -350,26 +367,32 @@ class FileKv(DurableKv):
         if self._broken is not None:
             raise BackendUnavailableError(f"{self._path}: {self._broken}; reopen the journal", file=self._path)
 
-    def _commit(
-        self, scope: str, space: str, key: str, entry: Entry | None, version: int, encoded: str | None = None
-    ) -> None:
-        """Write one change (``entry`` None: delete; ``encoded`` its value as
-        ``encode_value`` returned it) to file, then apply it in memory."""
+    def _commit(self, changes: list[_Change]) -> list[int]:
+        """Write a group of changes to file in one go (one append and one fsync, or one
+        snapshot), then apply them in memory; return their versions. Raises
+        ``BackendUnavailableError`` for the whole group, memory unchanged."""
+        self._check()
         if self._append_log:
-            self._commit_to_log(scope, space, key, entry, version, encoded)
+            self._commit_to_log(changes)
         else:
-            self._commit_to_snapshot(scope, space, key, entry)
+            self._commit_to_snapshot(changes)
+        return [change.version for change in changes]
 
-    def _commit_to_log(
-        self, scope: str, space: str, key: str, entry: Entry | None, version: int, encoded: str | None
-    ) -> None:
+    def _commit_to_log(self, changes: list[_Change]) -> None:
         assert self._log_fd is not None
-        seq = self._seq + 1
-        data = log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded)
+        seq = self._seq
+        lines = []
+        for c in changes:
+            seq += 1
+            lines.append(log_line(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
+                                  c.entry, c.encoded))
+        # One write for the group: a power cut keeps all of it, none of it, or a torn
+        # prefix of it (complete lines of this never-acknowledged group, then a torn one).
+        data = b"".join(lines)
         try:
             self._io.append(self._log_fd, data, fsync=self._fsync)
         except OSError as exc:
-            # Part of the line may be in the file: cut it off, or the next append would
+            # Part of the group may be in the file: cut it off, or the next append would
             # turn it into a damaged line in the middle of the log.
             try:
                 self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
@@ -379,25 +402,30 @@ class FileKv(DurableKv):
                 f"{self._log_path}: cannot append to the log: {exc}", file=self._log_path
             ) from exc
         self._seq = seq
-        self._log_entries += 1
+        self._log_entries += len(changes)
         self._log_bytes += len(data)
-        space_map = self._records.setdefault((scope, space), {})
-        if entry is None:
-            del space_map[key]
-        else:
-            space_map[key] = entry
+        for c in changes:
+            space_map = self._records.setdefault((c.scope, c.space), {})
+            if c.entry is None:
+                del space_map[c.key]
+            else:
+                space_map[c.key] = c.entry
         if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
             self._compact()
 
-    def _commit_to_snapshot(self, scope: str, space: str, key: str, entry: Entry | None) -> None:
+    def _commit_to_snapshot(self, changes: list[_Change]) -> None:
         # Build the next state beside the current one; it replaces it only once on file.
         records = dict(self._records)
-        space_map = dict(records.get((scope, space), {}))
-        if entry is None:
-            del space_map[key]
-        else:
-            space_map[key] = entry
-        records[(scope, space)] = space_map
+        copied: set[tuple[str, str]] = set()
+        for c in changes:
+            if (c.scope, c.space) not in copied:
+                records[(c.scope, c.space)] = dict(records.get((c.scope, c.space), {}))
+                copied.add((c.scope, c.space))
+            space_map = records[(c.scope, c.space)]
+            if c.entry is None:
+                del space_map[c.key]
+            else:
+                space_map[c.key] = c.entry
         try:
             self._write_snapshot(records, self._seq)
         except _SnapshotWriteFailed as failed:
