@@ -15,13 +15,21 @@ another *process* holds the write lock, a call blocks the loop for up to
 ``busy_timeout_ms`` — the price of this choice, acceptable for the local, short
 transactions of this backend.
 
-Atomicity across processes
---------------------------
-Each ``put``/``delete`` is one ``BEGIN IMMEDIATE`` transaction: it takes SQLite's write
-lock first, then runs the conditional ``INSERT`` (``expected_version=0``; a primary-key
-violation is a conflict) or ``UPDATE``/``DELETE ... WHERE version = ?`` (no row changed is
-a conflict), so several processes sharing the file get exactly one winner per CAS
-(REPL-4: processes of one host). Reads are single statements on a WAL snapshot.
+Atomicity across processes, group commit
+----------------------------------------
+Writes run in ``BEGIN IMMEDIATE`` transactions: each takes SQLite's write lock first, then
+runs the conditional ``INSERT`` (``expected_version=0``; a primary-key violation is a
+conflict) or ``UPDATE``/``DELETE ... WHERE version = ?`` (no row changed is a conflict), so
+several processes sharing the file get exactly one winner per CAS (REPL-4: processes of
+one host). Reads are single statements on a WAL snapshot.
+
+Writes made at the same moment by different tasks of this process (different chats)
+share one transaction and one ``COMMIT`` — one sync of the WAL
+(:mod:`botmesh.core.group_commit`). Each write is still its own compare-and-set (a lost
+one changes nothing and is that caller's ``VersionConflict``), two writes of one key
+never share a transaction (the second waits for the first to settle), and each caller
+returns only after the ``COMMIT``; a failed ``COMMIT`` (or any driver error in the
+transaction) rolls it back and fails every write of the group.
 
 Durability: WAL with ``synchronous=FULL`` — a write that returned survives a process
 crash and a power cut.
@@ -34,14 +42,28 @@ import json
 import os
 import sqlite3
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core.errors import BackendUnavailableError, VersionConflict
+from ..core.group_commit import GroupCommit
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
+
+
+class _Write(NamedTuple):
+    """One compare-and-set of a group: ``text`` is the JSON value of a put, ``None`` for a
+    delete."""
+
+    scope: str
+    space: str
+    key: str
+    text: str | None
+    expected_version: int
+    due: float | None
+    expires: float | None
 
 _SYNCHRONOUS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
 """``PRAGMA synchronous`` answers a number; its names, as SQLite documents them."""
@@ -76,6 +98,7 @@ class SQLiteKv(DurableKv):
         self._conn: sqlite3.Connection | None = None
         self._state = _NEW
         self._lock = threading.Lock()
+        self._group: GroupCommit[_Write, int] = GroupCommit(self._commit)
 
     @property
     def file(self) -> str:
@@ -170,73 +193,84 @@ class SQLiteKv(DurableKv):
         expires: float | None = None,
     ) -> int:
         """Compare-and-set (see :meth:`DurableKv.put`): an ``INSERT`` for
-        ``expected_version=0``, an ``UPDATE ... WHERE version = ?`` otherwise, in one
-        ``BEGIN IMMEDIATE`` transaction."""
+        ``expected_version=0``, an ``UPDATE ... WHERE version = ?`` otherwise, in a
+        ``BEGIN IMMEDIATE`` transaction shared with the writes of other tasks made at the
+        same moment (group commit: one ``COMMIT`` for all; see the module docstring)."""
         due, expires = check_put(scope, space, key, expected_version, due, expires)
         text = json.dumps(check_json_object(value), allow_nan=False)
-        with self._lock:
-            conn = self._connection()
-            new_version = expected_version + 1
-            conflict: int | None = None  # the version found, when the CAS failed
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    if expected_version == 0:
-                        try:
-                            conn.execute(
-                                "INSERT INTO durable (scope, space, key, value, version, due, expires)"
-                                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                (scope, space, key, text, new_version, due, expires),
-                            )
-                        except sqlite3.IntegrityError:
-                            conflict = self._version_of(conn, scope, space, key)
-                            if conflict == 0:  # not a duplicate key: a genuine driver error
-                                raise
-                    else:
-                        cursor = conn.execute(
-                            "UPDATE durable SET value = ?, version = ?, due = ?, expires = ?"
-                            " WHERE scope = ? AND space = ? AND key = ? AND version = ?",
-                            (text, new_version, due, expires, scope, space, key, expected_version),
-                        )
-                        if cursor.rowcount == 0:
-                            conflict = self._version_of(conn, scope, space, key)
-                    conn.execute("ROLLBACK" if conflict is not None else "COMMIT")
-                except BaseException:
-                    rollback_quietly(conn)
-                    raise
-            except sqlite3.Error as exc:
-                raise unavailable(self._file, exc, "put") from exc
-        await asyncio.sleep(0)
-        if conflict is not None:
-            raise VersionConflict.at(space, key, expected_version, conflict)
-        return new_version
+        item = _Write(scope, space, key, text, expected_version, due, expires)
+        return await self._write(item)
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` (``DELETE ... WHERE version
-        = ?`` in one ``BEGIN IMMEDIATE`` transaction); ``VersionConflict`` when absent or
-        at another version."""
+        = ?`` in a ``BEGIN IMMEDIATE`` transaction, shared with concurrent writes: group
+        commit); ``VersionConflict`` when absent or at another version."""
         check_delete(scope, space, key, expected_version)
+        await self._write(_Write(scope, space, key, None, expected_version, None, None))
+
+    async def _write(self, item: _Write) -> int:
+        with self._lock:
+            self._connection()  # closed: BackendUnavailableError now, nothing queued
+        try:
+            return await self._group.submit((item.scope, item.space, item.key), lambda: item)
+        except VersionConflict:
+            await asyncio.sleep(0)
+            raise
+
+    def _commit(self, items: list[_Write]) -> list[int | VersionConflict]:
+        """One ``BEGIN IMMEDIATE`` transaction for a group of writes, each its own
+        compare-and-set (an ``INSERT`` for version 0, else ``UPDATE``/``DELETE ... WHERE
+        version = ?``; nothing changed is that write's ``VersionConflict``), then one
+        ``COMMIT`` — or ``ROLLBACK`` when every write lost. A driver error fails the
+        whole group (rolled back) as ``BackendUnavailableError``."""
+        results: list[int | VersionConflict] = []
         with self._lock:
             conn = self._connection()
-            conflict: int | None = None
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    cursor = conn.execute(
-                        "DELETE FROM durable WHERE scope = ? AND space = ? AND key = ? AND version = ?",
-                        (scope, space, key, expected_version),
-                    )
-                    if cursor.rowcount == 0:
-                        conflict = self._version_of(conn, scope, space, key)
-                    conn.execute("ROLLBACK" if conflict is not None else "COMMIT")
+                    for item in items:
+                        found = self._apply(conn, item)
+                        results.append(item.expected_version + (0 if item.text is None else 1) if found is None
+                                       else VersionConflict.at(item.space, item.key, item.expected_version, found))
+                    won = any(not isinstance(r, VersionConflict) for r in results)
+                    conn.execute("COMMIT" if won else "ROLLBACK")
                 except BaseException:
                     rollback_quietly(conn)
                     raise
             except sqlite3.Error as exc:
-                raise unavailable(self._file, exc, "delete") from exc
-        await asyncio.sleep(0)
-        if conflict is not None:
-            raise VersionConflict.at(space, key, expected_version, conflict)
+                doing = ("put" if items[0].text is not None else "delete") if len(items) == 1 else (
+                    f"a group commit of {len(items)} writes")
+                raise unavailable(self._file, exc, doing) from exc
+        return results
+
+    def _apply(self, conn: sqlite3.Connection, item: _Write) -> int | None:
+        """Run one write's statement; ``None`` when it applied, else the version found."""
+        scope, space, key, expected = item.scope, item.space, item.key, item.expected_version
+        if item.text is None:
+            cursor = conn.execute(
+                "DELETE FROM durable WHERE scope = ? AND space = ? AND key = ? AND version = ?",
+                (scope, space, key, expected),
+            )
+            return None if cursor.rowcount else self._version_of(conn, scope, space, key)
+        if expected == 0:
+            try:
+                conn.execute(
+                    "INSERT INTO durable (scope, space, key, value, version, due, expires) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (scope, space, key, item.text, 1, item.due, item.expires),
+                )
+            except sqlite3.IntegrityError:
+                found = self._version_of(conn, scope, space, key)
+                if found == 0:  # not a duplicate key: a genuine driver error
+                    raise
+                return found
+            return None
+        cursor = conn.execute(
+            "UPDATE durable SET value = ?, version = ?, due = ?, expires = ?"
+            " WHERE scope = ? AND space = ? AND key = ? AND version = ?",
+            (item.text, expected + 1, item.due, item.expires, scope, space, key, expected),
+        )
+        return None if cursor.rowcount else self._version_of(conn, scope, space, key)
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
