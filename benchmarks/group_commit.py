@@ -17,17 +17,17 @@ Rows, per backend:
 * ``sqlite``   — ``SQLiteStore(file).durability()``, the store being that ``SQLiteStore``
   (its message log goes to the same file, as in ``durable_throughput.py``);
 
-each with 1 chat, with 8 chats, and with 8 chats and group commit off (the kv's
-``GroupCommit.max_items`` set to 1: every write flushed alone, as before issue 16 — the
-baseline of the same run).
+each with 1 chat, with 8 chats, and with 8 chats and group commit off (the kv's and the
+store's ``GroupCommit.max_items`` set to 1: every write flushed alone, as before issue 16
+— the baseline of the same run).
 
 Raw medium, measured in the same run, same directory, interleaved with the bot runs:
 (a) ~200-byte appends each followed by ``os.fsync``; (c) single-row SQLite ``INSERT``
 autocommits with WAL and ``synchronous=FULL``.
 
-Medium operations per message: counted in the timed run itself — the kv's group commit
-counter (flushes = fsyncs or journal COMMITs) plus, for SQLite, the store's write calls
-(each its own commit). ``medium share`` = msg/s x ops/msg / raw ops/s: the share of the
+Medium operations per message: counted in the timed run itself — the group commit
+counters (flushes = fsyncs or COMMITs) of the kv and, for SQLite, of the store (whose
+message-log writes are grouped the same way, in their own transactions). ``medium share`` = msg/s x ops/msg / raw ops/s: the share of the
 wall time the medium operations alone would take at the raw rate (near 100 %: the medium
 is the bottleneck). ``writes/flush`` = journal writes per flush (the mean group size).
 
@@ -63,24 +63,6 @@ WARMUP = 5  # untimed messages per chat before the timed ones
 LINE = (b"x" * 199) + b"\n"
 
 
-class CountingStore(SQLiteStore):
-    """SQLiteStore counting its write calls (each one autocommit: one commit)."""
-
-    writes = 0
-
-    async def set(self, *a: Any, **k: Any) -> None:
-        self.writes += 1
-        await super().set(*a, **k)
-
-    async def delete(self, *a: Any, **k: Any) -> None:
-        self.writes += 1
-        await super().delete(*a, **k)
-
-    async def append_message(self, *a: Any, **k: Any) -> None:
-        self.writes += 1
-        await super().append_message(*a, **k)
-
-
 @dataclass
 class Run:
     messages: int
@@ -104,7 +86,7 @@ async def run_bot(kind: str, workdir: str, chats: int, per_chat: int, *, grouped
     closers: list[Any] = []
     store: Any
     if kind == "sqlite":
-        store = CountingStore(os.path.join(workdir, "bot.sqlite3"))
+        store = SQLiteStore(os.path.join(workdir, "bot.sqlite3"))
         backend: Any = store.durability()
         closers.append(store.close)
     else:
@@ -123,15 +105,21 @@ async def run_bot(kind: str, workdir: str, chats: int, per_chat: int, *, grouped
     await bot.start()
     try:
         group = _group_of(backend)
+        store_group: GroupCommit[Any, Any] | None = getattr(store, "_group", None)
         if not grouped:
             group.max_items = 1
+            if store_group is not None:
+                store_group.max_items = 1
+
+        def store_commits() -> int:
+            return 0 if store_group is None else store_group.groups
 
         async def feed(chat: int, first: int, count: int) -> None:
             for i in range(first, first + count):
                 await provider.receive(f"chat-{chat}", "hi", id=f"{tag}c{chat}-m{i}")
 
         await asyncio.gather(*(feed(c, 0, WARMUP) for c in range(chats)))
-        flushes0, items0, store0 = group.groups, group.items, getattr(store, "writes", 0)
+        flushes0, items0, store0 = group.groups, group.items, store_commits()
         t0 = time.perf_counter()
         await asyncio.gather(*(feed(c, WARMUP, per_chat) for c in range(chats)))
         elapsed = time.perf_counter() - t0
@@ -141,7 +129,7 @@ async def run_bot(kind: str, workdir: str, chats: int, per_chat: int, *, grouped
         if len(provider.sent) != expected:
             raise RuntimeError(f"{kind}: {len(provider.sent)} replies for {expected} messages")
         run = Run(chats * per_chat, elapsed, group.groups - flushes0, group.items - items0,
-                  getattr(store, "writes", 0) - store0)
+                  store_commits() - store0)
     finally:
         await bot.stop()
         for close in closers:

@@ -5,7 +5,10 @@ file (BACK-1).
 Like :class:`~botmesh.sqlite_store.SQLiteKv`, the store runs its :mod:`sqlite3` calls
 synchronously inside its coroutines (short local transactions; deterministic under the
 virtual clock) and awaits ``asyncio.sleep(0)`` where
-:class:`~botmesh.core.store.MemoryStore` does.
+:class:`~botmesh.core.store.MemoryStore` does. Its writes (``set``, ``delete``,
+``append_message``) made at the same moment by different tasks share one transaction and
+one ``COMMIT`` (group commit, :mod:`botmesh.core.group_commit`); each returns once that
+commit did, and a failed commit fails them all.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import json
 import os
 import sqlite3
 import threading
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import BackendUnavailableError
+from ..core.group_commit import GroupCommit
 from ..core.store import Store
-from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, unavailable
+from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
 from .kv import SQLiteKv
 
 if TYPE_CHECKING:
@@ -86,6 +91,7 @@ class SQLiteStore(Store):
         self._busy_timeout_ms = check_busy_timeout(busy_timeout_ms)
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+        self._group: GroupCommit[tuple[str, tuple[Any, ...], str], None] = GroupCommit(self._commit)
 
     @property
     def file(self) -> str:
@@ -152,51 +158,65 @@ class SQLiteStore(Store):
 
     async def set(self, namespace: str, key: str, value: Any) -> None:
         """Store ``value`` (JSON) under ``(namespace, key)``, replacing any previous one."""
-        with self._lock:
-            conn = self._connection()
-            try:
-                text = json.dumps(value)
-            except (TypeError, ValueError) as exc:
-                raise BackendUnavailableError(f"store value for {namespace}/{key} is not JSON: {exc}") from exc
-            try:
-                conn.execute(
-                    "INSERT INTO kv (namespace, key, value) VALUES (?, ?, ?)"
-                    " ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value",
-                    (namespace, key, text),
-                )
-            except sqlite3.Error as exc:
-                raise unavailable(self._file, exc, "set") from exc
-        await asyncio.sleep(0)
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise BackendUnavailableError(f"store value for {namespace}/{key} is not JSON: {exc}") from exc
+        await self._write(
+            ("kv", namespace, key),
+            "INSERT INTO kv (namespace, key, value) VALUES (?, ?, ?)"
+            " ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value",
+            (namespace, key, text),
+            "set",
+        )
 
     async def delete(self, namespace: str, key: str) -> None:
         """Remove the value under ``(namespace, key)``; nothing happens when absent."""
-        with self._lock:
-            conn = self._connection()
-            try:
-                conn.execute("DELETE FROM kv WHERE namespace = ? AND key = ?", (namespace, key))
-            except sqlite3.Error as exc:
-                raise unavailable(self._file, exc, "delete") from exc
-        await asyncio.sleep(0)
+        await self._write(("kv", namespace, key), "DELETE FROM kv WHERE namespace = ? AND key = ?",
+                          (namespace, key), "delete")
 
     # -- message log ---------------------------------------------------------------
 
     async def append_message(self, entry: dict[str, Any]) -> None:
         """Append ``entry`` to the message log."""
+        try:
+            text = json.dumps(_encode_entry(entry))
+        except (TypeError, ValueError) as exc:
+            raise BackendUnavailableError(f"message log entry is not JSON: {exc}") from exc
+        chat_id = entry.get("chat_id") if isinstance(entry, dict) else None
+        await self._write(
+            object(),  # entries never wait for each other; a group keeps their order
+            "INSERT INTO messages (chat_id, entry) VALUES (?, ?)",
+            (chat_id if isinstance(chat_id, str) else None, text),
+            "append_message",
+        )
+
+    async def _write(self, key: Hashable, sql: str, params: tuple[Any, ...], doing: str) -> None:
+        """One write statement, run in a transaction shared with the store writes of other
+        tasks made at the same moment (group commit, :mod:`botmesh.core.group_commit`):
+        it returns once that transaction's ``COMMIT`` did."""
+        with self._lock:
+            self._connection()  # opened lazily, before anything is queued
+        await self._group.submit(key, lambda: (sql, params, doing))
+
+    def _commit(self, items: list[tuple[str, tuple[Any, ...], str]]) -> list[None]:
+        """The statements of a group in one ``BEGIN IMMEDIATE`` transaction; a driver
+        error rolls it back and fails every write of the group."""
         with self._lock:
             conn = self._connection()
             try:
-                text = json.dumps(_encode_entry(entry))
-            except (TypeError, ValueError) as exc:
-                raise BackendUnavailableError(f"message log entry is not JSON: {exc}") from exc
-            chat_id = entry.get("chat_id") if isinstance(entry, dict) else None
-            try:
-                conn.execute(
-                    "INSERT INTO messages (chat_id, entry) VALUES (?, ?)",
-                    (chat_id if isinstance(chat_id, str) else None, text),
-                )
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, params, _doing in items:
+                        conn.execute(sql, params)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    rollback_quietly(conn)
+                    raise
             except sqlite3.Error as exc:
-                raise unavailable(self._file, exc, "append_message") from exc
-        await asyncio.sleep(0)
+                doing = items[0][2] if len(items) == 1 else f"a group commit of {len(items)} writes"
+                raise unavailable(self._file, exc, doing) from exc
+        return [None] * len(items)
 
     async def messages(self, chat_id: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:
         """The log, oldest first, optionally only the entries of ``chat_id``; with
