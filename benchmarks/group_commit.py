@@ -27,9 +27,10 @@ autocommits with WAL and ``synchronous=FULL``.
 
 Medium operations per message: counted in the timed run itself — the group commit
 counters (flushes = fsyncs or COMMITs) of the kv and, for SQLite, of the store (whose
-message-log writes are grouped the same way, in their own transactions). ``medium share`` = msg/s x ops/msg / raw ops/s: the share of the
-wall time the medium operations alone would take at the raw rate (near 100 %: the medium
-is the bottleneck). ``writes/flush`` = journal writes per flush (the mean group size).
+message-log writes are grouped the same way, in their own transactions). ``medium
+share`` = msg/s x ops/msg / raw ops/s: the share of the wall time the medium operations
+alone would take at the raw rate (near 100 %: the medium is the bottleneck).
+``writes/flush`` = journal writes per flush (the mean group size).
 
 Usage::
 
@@ -174,7 +175,7 @@ def fmt(x: float) -> str:
 def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                                   for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 

@@ -144,7 +144,7 @@ class GroupCommit(Generic[T, R]):
                 return
             self.groups += 1
             self.items += len(group.items)
-            for future, result in zip(group.futures, results):
+            for future, result in zip(group.futures, results, strict=True):
                 if future.done():
                     continue
                 if isinstance(result, BaseException):
