@@ -359,3 +359,144 @@ async def test_writes_of_one_key_never_share_a_group() -> None:
     order: Callable[[str], Callable[[], str]] = lambda name: (lambda: name)  # noqa: E731
     await asyncio.gather(group.submit("k", order("1")), group.submit("k", order("2")), group.submit("j", order("3")))
     assert flushed == [["1", "3"], ["2"]]
+
+
+# -- the same on the FUSE power-cut file system ----------------------------------------------------------
+@pytest.mark.spec("BACK-5", "BACK-6", "BACK-7")
+@pytest.mark.parametrize("mode", ["subset", "torn", "drop"])
+async def test_power_cuts_during_a_groups_fsync_on_the_fuse_layer_lose_nothing_acknowledged(
+    mode: str, tmp_path: Path
+) -> None:
+    """On the FUSE power-cut file system (where the kernel splits a write at page
+    boundaries, so a group's one write may reach the disk in pieces): eight writes of
+    ~600 bytes each form one group, its fsync is held, the power is cut (``mode``, 6
+    seeds in turn), the held fsync fails. Nothing of the group is acknowledged; the
+    journal reopens every time with every acknowledged write, and each write of the
+    group whole or not at all — also when the cut kept a later piece of the group's
+    write without an earlier one (a hole of zeros before complete lines: the reader
+    cuts the unfinished last write, file_format "A hole in the last write")."""
+    import threading
+
+    from conftest import require_fuse
+
+    from botmesh_testkit.crash.fs import PowerCutFS, PowerCutUnavailable
+
+    class DiesAtTheCut(FileIO):
+        """The real OS calls, until the power is cut: then this process is dead in the
+        story, and the kv's undo of its failed append (a truncate) never happens."""
+
+        dead = False
+
+        def truncate(self, fd: int, size: int, *, fsync: bool) -> None:
+            if self.dead:
+                raise OSError(errno.EIO, "the process died with the power")
+            super().truncate(fd, size, fsync=fsync)
+
+    require_fuse()
+    io = DiesAtTheCut()
+    try:
+        mount = PowerCutFS(tmp_path / "fs").mount()
+    except PowerCutUnavailable as exc:
+        pytest.skip(f"no power-cut file system: {exc}")
+    try:
+        path = mount.path / "journal.json"
+        kv = FileKv(path, append_log=True, io=io)
+        await kv.open()
+        acknowledged: dict[str, tuple[dict[str, Any], int]] = {}
+        all_holes: list[int] = []
+        for round_ in range(6):
+            for i in range(8):  # acknowledged writes: each its own group, synced
+                key = f"chat-{i}"
+                version = acknowledged.get(key, ({}, 0))[1]
+                value = {"round": round_, "pad": "a" * 600}
+                assert await kv.put(S, SP, key, value, expected_version=version) == version + 1
+                acknowledged[key] = (value, version + 1)
+            rule = mount.hold("fsync", "journal.json.log")
+            holes: list[int] = []
+
+            def cut(round_: int = round_) -> None:
+                mount.wait_held()
+                io.dead = True
+                mount.cut(mode, seed=round_)
+                holes.append((path.parent / "journal.json.log").read_bytes().count(b"\0"))
+
+            cutter = threading.Thread(target=cut)
+            cutter.start()
+            group = {f"chat-{i}": {"round": round_, "group": True, "pad": "b" * 600} for i in range(8)}
+            outcomes = await asyncio.gather(
+                *(kv.put(S, SP, k, v, expected_version=acknowledged[k][1]) for k, v in group.items()),
+                return_exceptions=True,
+            )
+            cutter.join()
+            all_holes.extend(holes)
+            mount.release(rule)
+            assert all(isinstance(o, BackendUnavailableError) for o in outcomes), f"round {round_}: {outcomes}"
+            kv.abandon()
+            io.dead = False
+            kv = FileKv(path, append_log=True, io=io)
+            await kv.open()  # JournalCorruptError here: a hole in the never-acknowledged group refused
+            got = {k: (v.value, v.version) for k, v in await kv.scan(S, SP)}
+            for key, (value, version) in acknowledged.items():
+                assert got[key] in ((value, version), (group[key], version + 1)), f"round {round_}: {key}"
+                acknowledged[key] = got[key]  # a write of the cut group may have landed whole
+        await kv.close()
+        if mode == "subset":  # the point of the test: holes before complete lines of the group
+            assert any(all_holes), "no subset cut left a hole in the group's write"
+    finally:
+        mount.unmount()
+
+
+# -- the reader's rule for a hole in the last write -----------------------------------------------------
+def _log_with(entries: int) -> tuple[bytes, list[bytes]]:
+    from botmesh.core.file_format import LOG_HEADER, log_line
+
+    lines = [log_line(n, "put", S, SP, f"k{n}", 1, ({"n": n}, 1, None, None)) for n in range(1, entries + 1)]
+    return LOG_HEADER + b"".join(lines), lines
+
+
+@pytest.mark.spec("BACK-5")
+def test_a_hole_before_complete_lines_of_the_last_write_is_cut_not_refused() -> None:
+    from botmesh.core.file_format import LOG_HEADER, scan_log
+
+    data, lines = _log_with(6)
+    start = len(LOG_HEADER) + sum(map(len, lines[:3]))  # the last write: lines 4-6
+    holed = data[:start] + b"\0" * (len(lines[3]) + 10) + data[start + len(lines[3]) + 10:]
+    scan = scan_log(holed, "j.log")
+    assert [e.seq for e in scan.entries] == [1, 2, 3] and scan.good == start
+
+
+@pytest.mark.spec("BACK-5")
+def test_damage_without_a_nul_byte_or_far_from_the_end_stays_corruption() -> None:
+    from botmesh.core.errors import JournalCorruptError
+    from botmesh.core.file_format import LOG_HEADER, MAX_WRITE_BYTES, scan_log
+
+    data, lines = _log_with(6)
+    start = len(LOG_HEADER) + sum(map(len, lines[:3]))
+    flipped = data[:start + 5] + b"X" + data[start + 6:]  # garbage, no NUL: a damaged, acknowledged line
+    with pytest.raises(JournalCorruptError) as info:
+        scan_log(flipped, "j.log")
+    assert info.value.code == "APPEND_LOG_CORRUPT" and info.value.line == 5  # type: ignore[attr-defined]
+    # a hole followed by more than one write's worth of lines: not a power cut's
+    big, many = _log_with(6 + MAX_WRITE_BYTES // len(lines[0]) + 10)
+    holed = big[:start] + b"\0" * 20 + big[start + 20:]
+    with pytest.raises(JournalCorruptError) as info:
+        scan_log(holed, "j.log")
+    assert info.value.line == 5  # type: ignore[attr-defined]
+
+
+@pytest.mark.spec("BACK-4", "BACK-5")
+async def test_a_group_larger_than_one_write_goes_out_in_writes_of_whole_lines(tmp_path: Path) -> None:
+    from botmesh.core.file_format import MAX_WRITE_BYTES
+
+    io = CountingIO()
+    kv = FileKv(tmp_path / "journal.json", append_log=True, io=io)
+    await kv.open()
+    io.appends.clear()
+    pad = "p" * (MAX_WRITE_BYTES // 3)
+    await asyncio.gather(*(kv.put(S, SP, f"k{i}", {"pad": pad}, expected_version=0) for i in range(5)))
+    assert sum(io.appends) == 5 and len(io.appends) == 3, io.appends  # 2 + 2 + 1 lines, each write under 1 MiB
+    kv.abandon()
+    again = FileKv(tmp_path / "journal.json", append_log=True)
+    await again.open()
+    assert len(await again.scan(S, SP)) == 5
+    await again.close()

@@ -69,7 +69,23 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
   returned). When the bytes after the last newline start with a complete length and
   checksum and run *past* that length, the line reached its full size with a wrong
   terminator: that is damage, not a torn write.
-* **Every complete line** (one ending in a newline) must have the right length and
+* **A hole in the last write** (group commit, issue 16): the writer appends the lines of
+  several concurrent writes with one ``write`` and one fsync, and writes nothing more
+  before that fsync returned — so at a power cut at most the *last write* is unsynced,
+  and it is never longer than :data:`MAX_WRITE_BYTES` unless it is a single line. A disk
+  may persist the blocks of that write in any order, leaving zeros (a hole) before
+  later, complete lines of the same write. So the first damaged line is also an
+  unfinished write — cut off with everything after it, and the rest replayed — when it
+  holds a NUL byte (the writer never writes one: lines are ASCII text) and it starts
+  within the last :data:`MAX_WRITE_BYTES` of the file or is the file's last line. None
+  of what is cut was acknowledged: a write is acknowledged only after its fsync, and
+  the next write starts only after it. Damage without a NUL byte, or further from the
+  end, stays ``APPEND_LOG_CORRUPT``; so does a cut that would leave the log short of
+  the snapshot's ``log_seq`` (those entries were synced before the snapshot was
+  written). What this gives up: a block of zeros in the last 1 MiB of the log, that is
+  not a power cut's, is read as one (the log as of the line before it) instead of
+  refused — like the cut exactly at a line's end described below.
+* **Every other complete line** (one ending in a newline) must have the right length and
   checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
   the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write.
 * **Sequence numbers**: entries follow each other by one; the first is at most
@@ -114,6 +130,7 @@ __all__ = [
     "LOG_FORMAT",
     "LOG_HEADER",
     "MAX_VALUE_DEPTH",
+    "MAX_WRITE_BYTES",
     "READABLE_VERSIONS",
     "SNAPSHOT_FORMAT",
     "Entry",
@@ -145,6 +162,12 @@ MAX_VALUE_DEPTH = 128
 """How deep a stored value may nest (a flat object is depth 1). Deeper values are refused
 by ``FileKv.put`` with ``ValueError``, and a line nesting deeper is damage: the reader
 never recurses without bound."""
+MAX_WRITE_BYTES = 1 << 20
+"""The most bytes :class:`~botmesh.core.file_kv.FileKv` appends to the log with one write
+(the lines of a group commit; a group over this is split into several writes, each
+fsync'ed before the next). A single line longer than this is written alone. The reader
+relies on it: a hole (NUL bytes) further from the end of the log is damage, not a power
+cut (reading rules)."""
 _MAX_INT = 2**63 - 1  # versions, sequence numbers, counts
 
 Entry = tuple[dict[str, Any], int, float | None, float | None]
@@ -648,15 +671,28 @@ def scan_log(data: bytes, path: str) -> LogScan:
         start = pos
         payload, pos, reason = _read_frame(data, pos)
         if payload is None:
-            if reason is not None:
+            if reason is not None and not _hole_in_last_write(data, start):
                 _corrupt_log(path, line, start, reason)
-            return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line
+            return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line or write
         obj, reason = _decode(payload, MAX_VALUE_DEPTH + 1)
         entry = _parse_entry(obj, line, start, v1=False) if reason is None else reason
         if isinstance(entry, str):
+            if _hole_in_last_write(data, start):
+                return LogScan(entries, start, header_end, FORMAT_VERSION)
             _corrupt_log(path, line, start, entry)
         entries.append(entry)
     return LogScan(entries, len(data), header_end, FORMAT_VERSION)
+
+
+def _hole_in_last_write(data: bytes, start: int) -> bool:
+    """Whether the damaged line at ``start`` is a power cut's hole in the log's last,
+    never-acknowledged write ("A hole in the last write" under Reading): it holds a NUL
+    byte, and it starts within the last :data:`MAX_WRITE_BYTES` or is the last line."""
+    newline = data.find(b"\n", start)
+    end = len(data) if newline == -1 else newline + 1
+    if data.find(b"\0", start, end) == -1:
+        return False
+    return len(data) - start <= MAX_WRITE_BYTES or end == len(data)
 
 
 def _scan_log_v1(data: bytes, path: str) -> LogScan:

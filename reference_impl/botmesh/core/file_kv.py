@@ -18,6 +18,7 @@ from .errors import BackendUnavailableError, ConfigError, JournalLockedError, Ve
 from .file_format import (
     FORMAT_VERSION,
     LOG_HEADER,
+    MAX_WRITE_BYTES,
     Entry,
     Records,
     encode_value,
@@ -69,6 +70,24 @@ class _SnapshotWriteFailed(Exception):
         super().__init__(str(cause))
         self.cause = cause
         self.landed = landed
+
+
+def _chunks(lines: list[bytes], data: bytes) -> list[bytes]:
+    """``data`` (the ``lines`` joined) as writes of at most ``MAX_WRITE_BYTES``, each of
+    whole lines (a longer line alone)."""
+    if len(data) <= MAX_WRITE_BYTES:
+        return [data]
+    chunks: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for line in lines:
+        if current and size + len(line) > MAX_WRITE_BYTES:
+            chunks.append(b"".join(current))
+            current, size = [], 0
+        current.append(line)
+        size += len(line)
+    chunks.append(b"".join(current))
+    return chunks
 
 
 def _parse_pid(text: str | None) -> int | None:
@@ -386,11 +405,13 @@ class FileKv(DurableKv):
             seq += 1
             lines.append(log_line(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
                                   c.entry, c.encoded))
-        # One write for the group: a power cut keeps all of it, none of it, or a torn
-        # prefix of it (complete lines of this never-acknowledged group, then a torn one).
+        # One write (up to MAX_WRITE_BYTES) for the group, fsync'ed before anything more
+        # is written: a power cut finds at most that write unsynced, and the reader cuts
+        # it off however the disk left it (file_format: "A hole in the last write").
         data = b"".join(lines)
         try:
-            self._io.append(self._log_fd, data, fsync=self._fsync)
+            for chunk in _chunks(lines, data):
+                self._io.append(self._log_fd, chunk, fsync=self._fsync)
         except OSError as exc:
             # Part of the group may be in the file: cut it off, or the next append would
             # turn it into a damaged line in the middle of the log.
@@ -512,7 +533,7 @@ class FileKv(DurableKv):
             seq = replay(records, log_seq, scan.entries, self._log_path)
             if scan.good < len(log):
                 logger.warning(
-                    "%s: cut a torn final line at byte %d (%d bytes of an unfinished write)",
+                    "%s: cut a torn final line or write at byte %d (%d bytes of an unfinished write)",
                     self._log_path,
                     scan.good,
                     len(log) - scan.good,
