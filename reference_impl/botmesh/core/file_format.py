@@ -74,17 +74,20 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
   before that fsync returned — so at a power cut at most the *last write* is unsynced,
   and it is never longer than :data:`MAX_WRITE_BYTES` unless it is a single line. A disk
   may persist the blocks of that write in any order, leaving zeros (a hole) before
-  later, complete lines of the same write. So the first damaged line is also an
-  unfinished write — cut off with everything after it, and the rest replayed — when it
-  holds a NUL byte (the writer never writes one: lines are ASCII text) and it starts
-  within the last :data:`MAX_WRITE_BYTES` of the file or is the file's last line. None
-  of what is cut was acknowledged: a write is acknowledged only after its fsync, and
-  the next write starts only after it. Damage without a NUL byte, or further from the
-  end, stays ``APPEND_LOG_CORRUPT``; so does a cut that would leave the log short of
-  the snapshot's ``log_seq`` (those entries were synced before the snapshot was
-  written). What this gives up: a block of zeros in the last 1 MiB of the log, that is
-  not a power cut's, is read as one (the log as of the line before it) instead of
-  refused — like the cut exactly at a line's end described below.
+  later, complete lines of the same write; a hole is a run of NUL bytes (the writer
+  never writes one: lines are ASCII text) that ends where a sector of the disk starts
+  (a multiple of :data:`SECTOR_BYTES`, 512) or at the end of the file. So the first
+  damaged line is also an unfinished write — cut off with everything after it, and the
+  rest replayed — when it holds such a hole and starts within the last
+  :data:`MAX_WRITE_BYTES` (1 MiB) of the file or is the file's last line. None of what
+  is cut was acknowledged: a write is acknowledged only after its fsync, and the next
+  write starts only after it. BACK-5's "a bad line in the middle followed by more
+  entries is corruption" is read with "line" meaning "write": damage without such a
+  hole, or further from the end, stays ``APPEND_LOG_CORRUPT``, and so does a cut that
+  would leave the log short of the snapshot's ``log_seq`` (those entries were synced
+  before the snapshot was written). What this gives up: sectors of zeros in the last
+  1 MiB of the log that are not a power cut's are read as one (the log as of the line
+  before them) instead of refused — like a log cut exactly at a line's end (below).
 * **Every other complete line** (one ending in a newline) must have the right length and
   checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
   the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write.
@@ -131,6 +134,7 @@ __all__ = [
     "LOG_HEADER",
     "MAX_VALUE_DEPTH",
     "MAX_WRITE_BYTES",
+    "SECTOR_BYTES",
     "READABLE_VERSIONS",
     "SNAPSHOT_FORMAT",
     "Entry",
@@ -168,6 +172,9 @@ MAX_WRITE_BYTES = 1 << 20
 fsync'ed before the next). A single line longer than this is written alone. The reader
 relies on it: a hole (NUL bytes) further from the end of the log is damage, not a power
 cut (reading rules)."""
+SECTOR_BYTES = 512
+"""The unit a disk writes whole or not at all: the holes a power cut leaves in an unsynced
+write end at a multiple of it (4 KiB pages are multiples too)."""
 _MAX_INT = 2**63 - 1  # versions, sequence numbers, counts
 
 Entry = tuple[dict[str, Any], int, float | None, float | None]
@@ -686,13 +693,22 @@ def scan_log(data: bytes, path: str) -> LogScan:
 
 def _hole_in_last_write(data: bytes, start: int) -> bool:
     """Whether the damaged line at ``start`` is a power cut's hole in the log's last,
-    never-acknowledged write ("A hole in the last write" under Reading): it holds a NUL
-    byte, and it starts within the last :data:`MAX_WRITE_BYTES` or is the last line."""
+    never-acknowledged write ("A hole in the last write" under Reading): it starts within
+    the last :data:`MAX_WRITE_BYTES` or is the last line, and it holds a run of NUL bytes
+    that ends at a :data:`SECTOR_BYTES` boundary of the file or at its end."""
     newline = data.find(b"\n", start)
     end = len(data) if newline == -1 else newline + 1
-    if data.find(b"\0", start, end) == -1:
+    if len(data) - start > MAX_WRITE_BYTES and end != len(data):
         return False
-    return len(data) - start <= MAX_WRITE_BYTES or end == len(data)
+    at = data.find(b"\0", start, end)
+    while at != -1:
+        run_end = at
+        while run_end < end and data[run_end] == 0:
+            run_end += 1
+        if run_end % SECTOR_BYTES == 0 or run_end == len(data):
+            return True
+        at = data.find(b"\0", run_end, end)
+    return False
 
 
 def _scan_log_v1(data: bytes, path: str) -> LogScan:
