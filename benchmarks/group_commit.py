@@ -71,6 +71,7 @@ class Run:
     flushes: int
     journal_writes: int
     store_writes: int
+    cpu: float  # process CPU seconds during the timed part
 
     @property
     def rate(self) -> float:
@@ -121,16 +122,16 @@ async def run_bot(kind: str, workdir: str, chats: int, per_chat: int, *, grouped
 
         await asyncio.gather(*(feed(c, 0, WARMUP) for c in range(chats)))
         flushes0, items0, store0 = group.groups, group.items, store_commits()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(feed(c, WARMUP, per_chat) for c in range(chats)))
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         if errors:
             raise RuntimeError(f"{kind}: the bot reported errors: {errors[:3]!r}")
         expected = chats * (WARMUP + per_chat)
         if len(provider.sent) != expected:
             raise RuntimeError(f"{kind}: {len(provider.sent)} replies for {expected} messages")
         run = Run(chats * per_chat, elapsed, group.groups - flushes0, group.items - items0,
-                  store_commits() - store0)
+                  store_commits() - store0, cpu)
     finally:
         await bot.stop()
         for close in closers:
@@ -228,20 +229,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             ops = (flushes + sum(r.store_writes for r in rs)) / sum(r.messages for r in rs)
             per_flush = sum(r.journal_writes for r in rs) / max(1, flushes)
             share = best * ops / raw_best
+            cpu_us = 1e6 * sum(r.cpu for r in rs) / sum(r.messages for r in rs)
+            cpu_share = statistics.median(r.cpu / r.seconds for r in rs)
             rows.append([kind, label, fmt(best), fmt(med), f"{best / seq_best:.2f}x", f"{per_flush:.2f}",
-                         f"{ops:.2f}", fmt(raw_best), f"{100 * share:.0f}%"])
+                         f"{ops:.2f}", fmt(raw_best), f"{100 * share:.0f}%", f"{cpu_us:,.0f}",
+                         f"{100 * cpu_share:.0f}%"])
             result["rows"][f"{kind}/{label}"] = {"best": best, "median": med, "vs_1_chat": best / seq_best,
                                                   "writes_per_flush": per_flush, "ops_per_msg": ops,
-                                                  "medium_share": share}
+                                                  "medium_share": share, "cpu_us_per_msg": cpu_us,
+                                                  "client_cpu": cpu_share}
     medium = {"file+log": "(a) append+fsync", "sqlite": "(c) sqlite commit"}
     print(table(["backend", "chats", "msg/s best", "median", "vs 1 chat", "writes/flush", "ops/msg",
-                 "raw ops/s", "medium share"], rows))
+                 "raw ops/s", "medium share", "CPU us/msg", "client CPU"], rows))
     print()
     print("Raw medium (best; median) — " + "; ".join(
         f"{medium[k]}: {fmt(max(raw[k]))}; {fmt(statistics.median(raw[k]))} ops/s" for k in args.backends))
     print("vs 1 chat = best msg/s / best msg/s of the same backend with 1 chat (same run). ops/msg = medium ops per "
           "message\n(journal flushes + store commits, counted in the timed runs). medium share = msg/s x ops/msg / raw "
-          "ops/s.")
+          "ops/s.\nCPU us/msg = CPU time of this process (bot, kv, fsync/commit system time) per message; client CPU = "
+          "that CPU time / wall time\n(median): near 100% the one Python thread is the bottleneck, not the medium.")
     print(f"Total time {time.perf_counter() - started:.1f} s; load average at the end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
     return result
