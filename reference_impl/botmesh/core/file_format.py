@@ -167,14 +167,11 @@ MAX_VALUE_DEPTH = 128
 by ``FileKv.put`` with ``ValueError``, and a line nesting deeper is damage: the reader
 never recurses without bound."""
 MAX_WRITE_BYTES = 1 << 20
-"""The most bytes :class:`~botmesh.core.file_kv.FileKv` appends to the log with one write
-(the lines of a group commit; a group over this is split into several writes, each
-fsync'ed before the next). A single line longer than this is written alone. The reader
-relies on it: a hole (NUL bytes) further from the end of the log is damage, not a power
-cut (reading rules)."""
+"""The most bytes ``FileKv`` appends with one write (a group commit's lines; more is split
+into writes each fsync'ed before the next; a longer line goes alone). The reader relies on
+it ("A hole in the last write")."""
 SECTOR_BYTES = 512
-"""The unit a disk writes whole or not at all: the holes a power cut leaves in an unsynced
-write end at a multiple of it (4 KiB pages are multiples too)."""
+"""A disk writes a sector whole or not at all: a power cut's holes end at a multiple."""
 _MAX_INT = 2**63 - 1  # versions, sequence numbers, counts
 
 Entry = tuple[dict[str, Any], int, float | None, float | None]
