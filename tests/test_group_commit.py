@@ -503,3 +503,45 @@ async def test_a_group_larger_than_one_write_goes_out_in_writes_of_whole_lines(t
     await again.open()
     assert len(await again.scan(S, SP)) == 5
     await again.close()
+
+
+# -- a crash of the bot inside a group (crashable) -------------------------------------------------------
+@pytest.mark.spec("TEST-1", "TEST-3", "INB-1", "GUAR-2")
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("backend", ["file+log", "sqlite"])
+async def test_a_crash_inside_a_group_loses_no_acknowledged_inbound(backend: str, when: str, tmp_path: Path) -> None:
+    """Eight chats deliver at once, so their ``inbox.journal`` writes form one group; the
+    bot dies before / right after the 4th of them. The engine runs a handler only once
+    its inbound's journal write was acknowledged: after the restart every inbound whose
+    handler started in the dead incarnation is answered."""
+    from botmesh.core.provider import InboundEvent
+    from botmesh_testkit.backends import resolve
+    from botmesh_testkit.crash import World
+
+    handled: list[str] = []
+
+    def setup(bot: Any) -> None:
+        async def answer(ctx: Any) -> None:
+            handled.append(ctx.text)
+            await ctx.reply(f"ok {ctx.text}")
+
+        bot.otherwise(answer)
+
+    world = World(resolve(backend)(str(tmp_path)), setup=setup)
+    bot = await world.start(crash=True)
+    assert world.crashable is not None
+    inner = world.crashable.inner
+    group = (inner.file_kv if backend == "file+log" else inner.kv)._group  # type: ignore[attr-defined]
+    flushes, items = group.groups, group.items
+    world.crashable.arm(when, "inbox.journal", 4)
+    events = [InboundEvent(id=f"m{i}", chat_id=f"c{i}", text=f"m{i}") for i in range(8)]
+    await world.drive(asyncio.gather(*(bot.provider.deliver(e) for e in events), return_exceptions=True))
+    assert world.crashed
+    assert group.items - items > group.groups - flushes >= 1, "the inbox writes did not share a flush"
+    taken = list(handled)
+    assert len(taken) == (3 if when == "before" else 7), taken  # the 4th died; after it, the group's others landed
+    await world.restart()
+    await world.drain()
+    answered = set(world.channel.texts())
+    assert {f"ok {m}" for m in taken} <= answered, f"acknowledged {taken}, answered {sorted(answered)}"
+    await world.close()
