@@ -26,9 +26,12 @@ Writes (BACK-4, BACK-6):
   without the append log (:mod:`botmesh.core.group_commit`). Each is acknowledged only
   once that one fsync returned; a failed append or fsync fails every write of the group.
   Writes of one key never share a group: a compare-and-set waits for the key's write in
-  flight to settle and is checked against durable state. Since a group is written with
-  one ``write`` and fsynced before the next is written, at most one group is ever
-  unsynced, and a power cut leaves all of it, none of it, or a torn prefix of it.
+  flight to settle and is checked against durable state. A group is written with one
+  ``write`` (several of at most 1 MiB each when larger, each fsynced before the next) and
+  fsynced before anything more is written, so at most that one write is ever unsynced:
+  a power cut leaves all of it, none of it, a torn prefix, or — blocks persisted out of
+  order — a hole before later lines of it, which the reader cuts off as an unfinished
+  write (:mod:`botmesh.core.file_format`, "A hole in the last write").
 * A write reaches the file before it reaches memory: a write that raised
   ``BackendUnavailableError`` left memory unchanged and, when the file could be put back
   (a failed append is truncated away), the file too. When the file cannot be put back
