@@ -547,7 +547,7 @@ def reproduce_command(item: pytest.Item, base: str, config: pytest.Config) -> st
     if part == "scenarios":
         rerun = getattr(item.parent, "rerun", None)
         return f"{rerun} -k {shlex.quote(item.name)}" if rerun else None
-    if part not in ("suite", "explore", "kills", "powercuts"):
+    if part not in ("suite", "explore", "kills", "powercuts", "corruption"):
         return None
     profile = matrix_name(config)
     words = [base, f"--botmesh-parts={part}"]
