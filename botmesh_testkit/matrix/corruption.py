@@ -184,23 +184,26 @@ def _writes(backend: DurabilityBackend, i: int, now: float) -> Iterator[Awaitabl
 
 def expected_torn(states: list[State], damage: Damage) -> Journal | None:
     """The earlier acknowledged state a torn write could leave for ``damage`` (see the
-    module docstring), or None when only the last state is acceptable."""
-    final = states[-1].files.get(damage.file, b"")
+    module docstring), or None when only the last state is acceptable.
 
-    def of(s: State) -> bytes:
-        return s.files.get(damage.file, b"")
-
-    appended = [s for s in states if final.startswith(of(s))]
+    The file's current run of appends starts at the last write that did not append to it
+    (``start``: a log restarted, a snapshot rewritten); from there on each state's bytes
+    of the file are a prefix of the image's. A truncation to ``n`` bytes may leave the
+    latest of those states no longer than ``n`` — or, cut inside the run's first write,
+    the state before it (when later writes appended to it: a log, not a snapshot
+    rewritten at every write). Other damage may leave the state before the last write
+    to the file when it lies wholly in that write's bytes, appended."""
+    data = [s.files.get(damage.file, b"") for s in states]
+    start = max((n for n in range(1, len(data)) if not data[n].startswith(data[n - 1])), default=0)
+    last = max((n for n in range(1, len(data)) if data[n] != data[n - 1]), default=0)
     if damage.kind == "truncate":
-        fits = [s for s in appended if len(of(s)) <= damage.start]
-        return fits[-1].journal if fits else None
-    last_change = max((n for n in range(1, len(states)) if of(states[n]) != of(states[n - 1])), default=None)
-    if last_change is None:
-        return None
-    before = states[last_change - 1]
-    if before not in appended or damage.first_byte < len(of(before)):
-        return None
-    return before.journal
+        fits = [n for n in range(start, len(data)) if len(data[n]) <= damage.start]
+        if fits:
+            return states[fits[-1]].journal
+        return states[start - 1].journal if 0 < start < last else None
+    if last > start and damage.first_byte >= len(data[last - 1]):
+        return states[last - 1].journal
+    return None
 
 
 def _diff(expected: Journal, got: Journal) -> str:
