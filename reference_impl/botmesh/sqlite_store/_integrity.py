@@ -169,7 +169,7 @@ class _Log:
         self.count = (len(data) - _HEADER) // self.size
         self.header_ok = magic in _MAGIC and _checksum(data[:24], 0, 0, self.big) == (ck1, ck2)
         self.header_ck = (ck1, ck2)
-        self.salts = (salt1, salt2)
+        self.salts: tuple[int, ...] = (salt1, salt2)
         if not self.header_ok:  # the salts of the frames that chain to each other and commit
             chained = [i for i in range(2, self.count + 1) if self.frame(i)[1] and self.frame(i)[2:4] ==
                        self.frame(i - 1)[2:4] and self._verifies(i, self.frame(i - 1)[4:6], self.frame(i)[2:4])]
