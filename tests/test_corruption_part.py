@@ -8,11 +8,15 @@ And the judge's rules, on a few hand-made states (what a torn write may leave).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from botmesh_testkit.checker.journal import Journal
 from botmesh_testkit.crash.damage import KINDS, Damage, draw
 from botmesh_testkit.matrix.corruption import State, expected_torn
+from botmesh_testkit.matrix.profiles import ProfileError, load_profile
 
 pytest_plugins = ["pytester"]
 
@@ -146,3 +150,20 @@ def test_every_drawn_damage_changes_the_bytes(kind: str) -> None:
         assert len(damaged) == (damage.start if kind == "truncate" else len(data))
     assert draw(rng, "f", b"", kind) is None
     assert draw(rng, "f", bytes(8192), "zero4096") is None  # zeros over zeros changes nothing
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("corruption_variants = -1", "corruption_variants must be an integer >= 0, got -1"),
+    ("corruption_variants = true", "corruption_variants must be an integer >= 0, got True"),
+    ('corruption_variants = "40"', "corruption_variants must be an integer >= 0, got '40'"),
+    ("corruption_variants = 2.5", "corruption_variants must be an integer >= 0, got 2.5"),
+])
+def test_a_bad_corruption_variants_key_is_refused_naming_file_and_key(tmp_path: Path, line: str, message: str) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'workloads = ["one-send"]\n{line}\n', encoding="utf-8")
+    with pytest.raises(ProfileError, match=re.escape(f"{bad}: {message}")):
+        load_profile(str(bad))
+
+
+def test_the_shipped_profiles_damage_files() -> None:
+    assert (load_profile("smoke").corruption_variants, load_profile("full").corruption_variants) == (40, 200)
