@@ -167,3 +167,26 @@ def test_a_bad_corruption_variants_key_is_refused_naming_file_and_key(tmp_path: 
 
 def test_the_shipped_profiles_damage_files() -> None:
     assert (load_profile("smoke").corruption_variants, load_profile("full").corruption_variants) == (40, 200)
+
+
+def test_the_verdict_requires_corruption_only_of_file_backends_claiming_survives_crash() -> None:
+    from botmesh_testkit.pytest.results import Result
+    from botmesh_testkit.pytest.verdict import judge, required_parts
+
+    crash = {"survives_crash": True}
+    assert "corruption" in required_parts(crash, storage_in_workdir=True, files_in_workdir=True)
+    assert "corruption" not in required_parts(crash, storage_in_workdir=True)  # a server's storage
+    assert "corruption" not in required_parts({}, files_in_workdir=True)  # no survives_crash claim
+    rows = [Result("b", part, "passed", ("BACK-5",), ()) for part in ("suite", "scenarios", "matrix", "explore",
+                                                                      "kills", "powercuts")]
+    server = judge(rows, crash, profile="smoke", storage_in_workdir=True)
+    assert server.status == "certified"
+    assert server.line() == ("certified at profile smoke (suite, scenarios, matrix, explore, kills, powercuts; "
+                             "corruption not applicable (its storage is not files in the workdir))")
+    files = judge(rows, crash, profile="smoke", storage_in_workdir=True, files_in_workdir=True,
+                  why_not_run={"corruption": "not selected with --botmesh-parts"})
+    assert files.status == "partial" and files.missing == ("corruption",)
+    assert "corruption did not run (not selected with --botmesh-parts)" in files.line()
+    done = judge([*rows, Result("b", "corruption", "passed", ("BACK-5",), ())], crash, profile="smoke",
+                 storage_in_workdir=True, files_in_workdir=True)
+    assert done.line() == "certified at profile smoke (suite, scenarios, matrix, explore, kills, powercuts, corruption)"
