@@ -58,6 +58,11 @@ MESSAGES = 6
 """Inbound messages of the workload (each: journaled, its reply journaled and marked
 sent, the inbound completed: four writes), half in each incarnation."""
 
+FILLER = "".join(chr(0x61 + (7 * n) % 26) for n in range(1500))
+"""Part of each inbound record's content: records of a few KiB spread the
+journals over several pages of an SQLite file (the first incarnation's in the database
+file, the second's in its write-ahead log), so damage reaches both."""
+
 SKIPPED_SUFFIXES = ("-shm",)
 """Files of the image left out: SQLite's shared-memory index, rebuilt from the ``-wal``
 by the first connection (a crash leaves a stale one, which SQLite ignores likewise)."""
@@ -172,8 +177,9 @@ def _writes(backend: DurabilityBackend, i: int, now: float) -> Iterator[Awaitabl
     """The four writes of message ``i``, in order (each awaited before the next is made)."""
     mid, key = f"m{i}", f"reply-{i}"
     yield backend.inbox_journal(SCOPE, InboxRecord(
-        id=mid, chat_id=f"c{i % 2}", event={"text": f"hello {i}", "n": i}, state="leased", attempts=1, token=1,
-        owner="bot", incarnation="i1", lease_until=now + 30.0, claimed_at=now, created_at=now, updated_at=now))
+        id=mid, chat_id=f"c{i % 2}", event={"text": f"hello {i}", "n": i, "note": FILLER}, state="leased",
+        attempts=1, token=1, owner="bot", incarnation="i1", lease_until=now + 30.0, claimed_at=now, created_at=now,
+        updated_at=now))
     yield backend.outbox_journal(SCOPE, OutboxRecord(
         key=key, chat_id=f"c{i % 2}", content={"text": f"hello {i}/reply"}, fingerprint=f"fp{i}", inbound_id=mid,
         state="sending", attempts=1, token=1, owner="bot", incarnation="i1", lease_until=now + 30.0,

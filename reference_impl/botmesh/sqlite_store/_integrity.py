@@ -105,19 +105,20 @@ def check_wal(file: str) -> None:
     first_bad, previous = log.first_bad()
     if first_bad is None:
         return
-    after = [i for i in range(max(first_bad + 1, 1), log.count + 1) if log.trusted(i)]
-    commits = [i for i in after if log.frame(i)[1]]
+    # frames of this log's generation after the damage (its salts: a stale or zeroed frame
+    # has others). SQLite writes a frame's header whole, in one write of its own, so the
+    # page number and commit mark of a header with the log's salts hold even where the
+    # frame's checksum no longer chains (its predecessor damaged)
+    ours = [i for i in range(max(first_bad + 1, 1), log.count + 1) if log.frame(i)[2:4] == log.salts]
+    commits = [i for i in ours if log.frame(i)[1]]
     if not commits:
         return  # the log ends in a torn or stale tail: SQLite's recovery is right
     last = commits[-1]
-    if first_bad == 0 and log.in_database(file, after):
+    if first_bad == 0 and log.in_database(file, [i for i in ours if log.trusted(i)]):
         return  # a header torn when the log was restarted: its old frames are all in the database already
-    # frames of this log's generation (its salts: a stale or zeroed frame has others) up to
-    # the last commit; their headers were written whole with their page, so their page
-    # numbers and commit marks hold even where the page's checksum cannot be chained
-    ours = [i for i in range(max(first_bad, previous + 1, 1), last) if log.frame(i)[2:4] == log.salts]
     reason = ""
-    if len(commits) > 1 or any(log.frame(i)[1] for i in ours):
+    damaged = log.frame(first_bad) if first_bad else None
+    if len(commits) > 1 or (damaged is not None and damaged[1] and damaged[2:4] == log.salts):
         reason = "committed transactions follow it"
     else:
         # one transaction writes a page once: a page twice in what would be the last
