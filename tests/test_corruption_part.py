@@ -8,6 +8,7 @@ And the judge's rules, on a few hand-made states (what a torn write may leave).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -79,9 +80,14 @@ def test_file_backends_and_sqlite_pass_the_corruption_part(pytester: pytest.Pyte
     pytester.makefile(".toml", damage=PROFILE)
     result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=file", "--botmesh-backend=file+log",
                                            "--botmesh-backend=sqlite", "--botmesh-parts=corruption",
-                                           "--botmesh-matrix=damage.toml", "--botmesh-seed=13")
+                                           "--botmesh-matrix=damage.toml", "--botmesh-seed=13",
+                                           "--botmesh-report=r.json")
     out = result.stdout.str()
     assert result.ret == 0, out[-4000:]
+    report = json.loads((pytester.path / "r.json").read_text(encoding="utf-8"))
+    entries = {b["name"]: b for b in report["backends"]}
+    assert entries["sqlite"]["corruption"][0].startswith("corruption: 40 damaged variants of sqlite's files: ")
+    assert entries["file"]["parts"]["corruption"] == {"passed": 1, "failed": 0, "skipped": 0}
     for backend in ("file", "file+log", "sqlite"):
         result.stdout.fnmatch_lines([f"{backend}: corruption 1 passed, 0 failed",
                                      f"  corruption: 40 damaged variants of {backend}'s files: * refused, * intact, "
