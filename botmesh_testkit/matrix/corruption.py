@@ -2,8 +2,9 @@
 
 For a backend whose storage is files in its workdir (``file``, ``file+log``, ``sqlite``,
 a factory that takes the workdir): a short journal workload is written through the
-backend's own API in two incarnations (the first one closed by a simulated death and a
-reopen, so an SQLite file has both a main database and a write-ahead log), and after
+backend's own API in two incarnations (the first one ended by the harness's ``reopen()``:
+a simulated death for the file backends, a close for SQLite, whose data then sits in its
+database file while the second incarnation's is in its write-ahead log), and after
 every acknowledged write the journals it answers and the bytes of its files are kept.
 The files as they stand after the last write (the backend still open, as a crash leaves
 them; SQLite's ``-shm`` left out: the first connection rebuilds it from the ``-wal``)
@@ -17,7 +18,8 @@ a new incarnation is opened on it. Each variant is then:
 * **intact** — it answers exactly the journals acknowledged last;
 * **torn** — it answers exactly an earlier acknowledged state that a torn write could
   leave, and the damage is of the kind a torn write looks like: the file is appended to
-  (the state's bytes of it are a prefix of the image's) and either it was **truncated**
+  (the state's bytes of it are a prefix of the image's, or it was restarted by the write
+  the cut falls in) and either it was **truncated**
   (no format tells a file cut at a record boundary from a shorter journal: the longest
   acknowledged prefix that survives is the state expected), or the damage lies entirely
   in the bytes of the **last** write to that file (a damaged final record looks like a
@@ -59,7 +61,7 @@ MESSAGES = 6
 sent, the inbound completed: four writes), half in each incarnation."""
 
 FILLER = "".join(chr(0x61 + (7 * n) % 26) for n in range(1500))
-"""Part of each inbound record's content: records of a few KiB spread the
+"""Part of each inbound record's content: records of about 1.6 KB spread the
 journals over several pages of an SQLite file (the first incarnation's in the database
 file, the second's in its write-ahead log), so damage reaches both."""
 
