@@ -196,3 +196,79 @@ def test_the_verdict_requires_corruption_only_of_file_backends_claiming_survives
     done = judge([*rows, Result("b", "corruption", "passed", ("BACK-5",), ())], crash, profile="smoke",
                  storage_in_workdir=True, files_in_workdir=True)
     assert done.line() == "certified at profile smoke (suite, scenarios, matrix, explore, kills, powercuts, corruption)"
+
+
+CHECKED = '''
+import json
+import os
+import zlib
+
+from botmesh.core.errors import JournalCorruptError
+from botmesh.core.memory import MemoryKv
+from botmesh.core.spi import Capabilities
+
+
+class CheckedJsonKv(MemoryKv):
+    """A file kv whose file ends in a CRC-32 of the rest: damage is refused; ``named``
+    says whether the error names the file."""
+
+    capabilities = Capabilities(survives_crash=True)
+
+    def __init__(self, path, named):
+        super().__init__()
+        self.path = path
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                data = f.read()
+            body, _, crc = data.rpartition(b"\\n")
+            if not crc.isdigit() or zlib.crc32(body) != int(crc):
+                raise JournalCorruptError(f"{path}: checksum mismatch" if named else "the journal is damaged")
+            for scope, space, key, value, version, due, expires in json.loads(body):
+                self._space(scope, space)[key] = (value, version, due, expires)
+
+    def _save(self):
+        rows = [[scope, space, key, *entry] for (scope, space), records in self._data.items()
+                for key, entry in records.items()]
+        body = json.dumps(rows).encode()
+        with open(self.path + ".tmp", "wb") as f:
+            f.write(body + b"\\n" + str(zlib.crc32(body)).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.path + ".tmp", self.path)
+
+    async def put(self, *args, **kwargs):
+        version = await super().put(*args, **kwargs)
+        self._save()
+        return version
+
+
+def named(workdir):
+    return CheckedJsonKv(os.path.join(workdir, "kv.json"), True)
+
+
+def vague(workdir):
+    return CheckedJsonKv(os.path.join(workdir, "kv.json"), False)
+'''
+
+
+@pytest.mark.spec("BACK-5")
+def test_a_refusal_must_name_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from botmesh_testkit.matrix.corruption import corruption_loop
+
+    (tmp_path / "checked_kv.py").write_text(CHECKED, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runs = {}
+    for factory in ("named", "vague"):
+        work = tmp_path / factory
+        work.mkdir()
+        run = asyncio.run(corruption_loop(f"checked_kv:{factory}", variants=10, seed=3, workdir=str(work)))
+        assert not isinstance(run, str), run
+        runs[factory] = run
+    assert runs["named"].passed and runs["named"].counts["refused"] == 10, runs["named"].report()
+    vague = runs["vague"]
+    assert not vague.passed and vague.counts["unnamed"] == 10, vague.report()
+    assert "10 refused without naming the file" in vague.summary()
+    assert "UNNAMED — violated [BACK-5] refused with JournalCorruptError: the journal is damaged — the error names " \
+           "none of the backend's files" in vague.report()

@@ -29,7 +29,9 @@ a new incarnation is opened on it. Each variant is then:
   record never written. Fails BACK-5;
 * **foreign** — it raised something not of the project's error tree (a ``KeyError``,
   ``sqlite3.DatabaseError``, ``UnicodeDecodeError`` ...): a damaged journal must be
-  refused with an error naming the file. Fails BACK-5.
+  refused with an error naming the file. Fails BACK-5;
+* **unnamed** — refused with the project's error, whose message names none of the
+  backend's files (BACK-5: "rejected at open with an error naming the file"). Fails it.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ IDS = ("BACK-5",)
 """What an altered or foreign variant breaks: a journal that cannot be read back is
 rejected at open with an error naming the file, never applied in part."""
 
-OUTCOMES = ("refused", "intact", "torn", "altered", "foreign")
+OUTCOMES = ("refused", "intact", "torn", "altered", "foreign", "unnamed")
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class CorruptionRun:
 
     @property
     def failed(self) -> list[Variant]:
-        return [v for v in self.variants if v.outcome in ("altered", "foreign")]
+        return [v for v in self.variants if v.outcome in ("altered", "foreign", "unnamed")]
 
     @property
     def passed(self) -> bool:
@@ -125,9 +127,10 @@ class CorruptionRun:
     def summary(self) -> str:
         """The verdict line: how many variants, how each was handled."""
         c = self.counts
+        unnamed = f", {c['unnamed']} refused without naming the file" if c["unnamed"] else ""
         return (f"corruption: {len(self.variants)} damaged variants of {self.backend}'s files: {c['refused']} refused, "
                 f"{c['intact']} intact, {c['torn']} torn tail, {c['altered']} altered, {c['foreign']} foreign error"
-                f" ({self.seconds:.1f} s)")
+                f"{unnamed} ({self.seconds:.1f} s)")
 
     def report(self) -> str:
         kinds = Counter(v.damage.kind for v in self.variants)
@@ -229,6 +232,13 @@ def _diff(expected: Journal, got: Journal) -> str:
         f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
 
 
+def _names_a_file(exc: BaseException, workdir: str, files: dict[str, bytes]) -> bool:
+    """Whether the error's message (or its ``file`` detail) names the storage: a path
+    under ``workdir`` or a file's name."""
+    text = f"{exc} {getattr(exc, 'details', {}).get('file', '')}"
+    return workdir in text or any(os.path.basename(name) in text for name in files)
+
+
 async def _judge(backend: str, states: list[State], variant: Variant, workdir: str) -> None:
     """Open a new incarnation on ``workdir`` (the damaged copy) and classify it."""
     harness = resolve(backend)(workdir)
@@ -238,6 +248,9 @@ async def _judge(backend: str, states: list[State], variant: Variant, workdir: s
         got = await read_journal(opened, SCOPE)
     except BotmeshError as exc:
         variant.outcome, variant.detail = "refused", f"{type(exc).__name__}: {exc}"
+        if not _names_a_file(exc, workdir, states[-1].files):
+            variant.outcome = "unnamed"
+            variant.detail = f"refused with {variant.detail} — the error names none of the backend's files"
         return
     except Exception as exc:
         variant.outcome = "foreign"
