@@ -41,7 +41,9 @@ The control API (each call answered before it returns)::
         report = m.cut("drop" | "subset" | "torn", seed=7)   # mount shows the durable state
         m.fail("write", "*.wal", nth=2, errno=errno.EIO)      # the 2nd matching write fails once
         m.hold("rename", "*", nth=1); op = m.wait_held()       # a rename waits; kill its process,
-        m.cut()                                                # then cut (or m.release())
+        m.cut()                                                # then cut (or m.release(): it lands,
+                                                               # or m.cancel(): it never does, no cut)
+        m.hold("write|truncate|rename", "db/*", nth=5)         # several operations joined by |
         m.stats()                                              # ops, fsyncs, unsynced bytes, faults
         m.check()                                              # [] when model and mount agree
 
