@@ -48,10 +48,10 @@ from typing import Any
 from ..backends.base import KillSpec
 from ..backends.registry import resolve
 from ..checker.judge import KillOracle
-from ..crash.fs.mount import HeldOp, PowerCutError, PowerCutFS, PowerCutMount, PowerCutStats
+from ..crash.fs.mount import HeldOp, PowerCutFS, PowerCutMount, PowerCutStats
 from .loop import KillLoop
 from .parent import Incarnation, Run
-from .powercut import PowerCutHarnessError, storage_on_workdir
+from .powercut import PowerCutHarnessError, harness_faults, storage_on_workdir
 from .result import KillInfo, KillResult
 from .spec import HarnessError
 
@@ -62,6 +62,10 @@ HELD_OPS = "write|truncate|rename"
 
 HELD_MESSAGES = 3
 """Messages of the sweep's workload (each answered with two replies)."""
+
+SHOWN_POINTS = 3
+SHOWN_VIOLATIONS = 8
+"""How many failing points, and violations of each, a report lists in full."""
 
 AFTER = ("kill", "drop")
 """What follows the death at a held operation (module docstring), drawn per point."""
@@ -148,12 +152,17 @@ class HeldSweepRun:
         if ops:
             lines.append("  held: " + ", ".join(f"{op} {c}" for op, c in sorted(ops.items())))
         lines.extend(f"  note: {n}" for n in self.notes)
-        for p in self.failed:
+        failed = self.failed
+        for p in failed[:SHOWN_POINTS]:
             assert p.result is not None
             lines.append(f"  point {p.describe()}: FAILED")
-            lines.extend(f"    violated {v}" for v in p.result.violations)
-            if p.note:
-                lines.append(f"    {p.note}")
+            violations = p.result.violations
+            lines.extend(f"    violated {v}" for v in violations[:SHOWN_VIOLATIONS])
+            if len(violations) > SHOWN_VIOLATIONS:
+                lines.append(f"    ... and {len(violations) - SHOWN_VIOLATIONS} more violation(s)")
+        if len(failed) > SHOWN_POINTS:
+            lines.append(f"  ... and {len(failed) - SHOWN_POINTS} more failing point(s): "
+                         + ", ".join(f"#{p.n} ({p.after})" for p in failed[SHOWN_POINTS:]))
         if not self.passed:
             lines.append(f"  violated ids: {', '.join(sorted(self.violated_ids))}")
         return "\n".join(lines)
@@ -260,6 +269,21 @@ class _PointLoop(KillLoop):
                     run.send(inc, ("stop",))
 
 
+def _unstartable(point: _PointLoop, exc: HarnessError) -> KillResult:
+    """A point whose next process could not start on what the death left."""
+    from ..checker.judge import Accounting
+    from ..checker.violation import Violation
+
+    tail = str(exc)[-1200:]
+    return KillResult(
+        backend=point.spec.name, policy=point.policy, seed=point.seed, params=dict(point._kw), kills=[],
+        self_deaths=0, incarnations=len(point.runs[-1].incarnations) if point.runs else 0, messages=0, acked=0,
+        feeds=0, deliveries=0, distinct_keys=0, inbox_states={}, outbox_states={},
+        violations=[Violation(("GUAR-1", "INB-3", "OUT-1"), f"the backend does not start on what the death left of "
+                                                             f"its storage: {tail}")],
+        accounting=Accounting(), seconds=0.0, kill_phase_seconds=0.0, reproduce=point.reproduce(), label=point.label)
+
+
 def held_op_sweep(backend: str, *, points: int, seed: int, policy: str, workdir: str,
                   messages: int = HELD_MESSAGES, start_method: str = "forkserver") -> HeldSweepRun | str:
     """Sweep up to ``points`` held operations of ``backend``'s workload (module
@@ -271,20 +295,9 @@ def held_op_sweep(backend: str, *, points: int, seed: int, policy: str, workdir:
     :class:`~botmesh_testkit.kill.spec.HarnessError` when a child cannot run at all."""
     started = time.monotonic()
     fs = PowerCutFS(os.path.join(workdir, "fs"))
-    with fs.mount() as mount:
-        try:
-            return _sweep(mount, backend, points=points, seed=seed, policy=policy, workdir=workdir,
-                          messages=messages, start_method=start_method, started=started)
-        except PowerCutHarnessError:
-            raise
-        except (PowerCutError, HarnessError) as exc:
-            died = mount.server_died("the held-operation sweep ran")
-            if died is not None:
-                raise PowerCutHarnessError(str(died)) from exc
-            if isinstance(exc, PowerCutError):
-                raise PowerCutHarnessError(f"the power-cut file system failed during the held-operation sweep: "
-                                           f"{exc}") from exc
-            raise
+    with fs.mount() as mount, harness_faults(mount, "the held-operation sweep ran"):
+        return _sweep(mount, backend, points=points, seed=seed, policy=policy, workdir=workdir, messages=messages,
+                      start_method=start_method, started=started)
 
 
 def _sweep(mount: PowerCutMount, backend: str, *, points: int, seed: int, policy: str, workdir: str, messages: int,
@@ -319,7 +332,14 @@ def _sweep(mount: PowerCutMount, backend: str, *, points: int, seed: int, policy
     for n in sweep_points(census.operations, points):
         after = rng.choice(AFTER)
         point = loop(f"p{n}", n, after, oracle if oracle is not None else True)
-        result = point.run()
+        try:
+            result = point.run()
+        except HarnessError as exc:
+            died = mount.server_died(f"the held-operation sweep's point #{n} ran")
+            if died is not None or point.held is None:
+                raise
+            # a child that dies at once on what the death left: the backend cannot open it
+            result = _unstartable(point, exc)
         if point.held is None:
             run.points.append(HeldPoint(n, after, None, None))
             run.notes.append(f"operation #{n} not reached: this time the workload ended before it "
@@ -330,8 +350,5 @@ def _sweep(mount: PowerCutMount, backend: str, *, points: int, seed: int, policy
     problems = [*run.stats.internal_errors, *run.stats.model_errors, *mount.check()]
     if problems:
         raise PowerCutHarnessError(f"the power-cut file system disagrees with itself: {problems[:5]}")
-    died = mount.server_died("the held-operation sweep ran")
-    if died is not None:
-        raise PowerCutHarnessError(str(died))
     run.seconds = time.monotonic() - started
     return run

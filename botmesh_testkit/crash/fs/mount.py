@@ -46,7 +46,7 @@ from .state import Seed, TornWrite
 
 __all__ = [
     "REGISTRY_DIR", "CutReport", "HeldOp", "PowerCutError", "PowerCutFS", "PowerCutMount", "PowerCutServerDied",
-    "PowerCutStats", "PowerCutUnavailable", "cleanup_stale_mounts", "unavailable_reason",
+    "PowerCutStats", "PowerCutUnavailable", "cleanup_stale_mounts", "mount_refused_reason", "unavailable_reason",
 ]
 
 REGISTRY_DIR = Path(tempfile.gettempdir()) / "botmesh-powercut-mounts"
@@ -145,6 +145,24 @@ def unavailable_reason() -> str | None:
         return "libfuse 3 is not installed (Debian/Ubuntu: apt-get install fuse3 libfuse3-dev)"
     if shutil.which("fusermount3") is None and (os.geteuid() != 0 or shutil.which("umount") is None):
         return "fusermount3 is not installed (Debian/Ubuntu: apt-get install fuse3)"
+    return None
+
+
+def mount_refused_reason() -> str | None:
+    """Why this machine cannot mount the power-cut file system, found by trying:
+    :func:`unavailable_reason`, then a real mount (unmounted at once) of a scratch
+    directory — a container without ``CAP_SYS_ADMIN`` or a user namespace has
+    ``/dev/fuse`` and ``fusermount3`` and still refuses the mount itself. ``None`` when
+    it mounted. Like every mount, it first unmounts what killed runs left behind
+    (:func:`cleanup_stale_mounts`)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    with tempfile.TemporaryDirectory(prefix="botmesh-powercut-probe-") as tmp:
+        try:
+            PowerCutFS(tmp).mount().unmount()
+        except PowerCutError as exc:
+            return str(exc)
     return None
 
 
@@ -550,8 +568,10 @@ class PowerCutMount:
                 if message.get("event") == "error":
                     error = str(message.get("error"))
                     self._abandon()
-                    cls = PowerCutUnavailable if error.startswith("mount failed") else PowerCutError
-                    raise cls(f"{error}; server log: {self._log_tail()}")
+                    if error.startswith("mount failed"):
+                        raise PowerCutUnavailable(f"mounting the power-cut file system was refused here "
+                                                  f"({error}): {self._log_tail()}")
+                    raise PowerCutError(f"{error}; server log: {self._log_tail()}")
         except BaseException:
             self._abandon()
             raise
