@@ -317,7 +317,7 @@ def test_a_kv_that_rewrites_its_file_in_place_fails_the_held_operation_sweep(pyt
         "*point #* held write p*/state.json, the process SIGKILLed, then nothing more*: FAILED",
         "*violated [[]GUAR-1, INB-1] inbound 'm*' was acknowledged but has no inbox record*",
         f"*rerun: pytest --botmesh-backend=pcbackends:{factory} --botmesh-seed=3 --botmesh-parts=powercuts "
-        "--botmesh-matrix=pc -k *12-held-ops*",
+        f"--botmesh-matrix=pc.toml -k pcbackends:{factory}/12-held-ops",
     ])
 
 
@@ -360,7 +360,7 @@ def test_where_mounting_is_not_permitted_the_part_is_one_skip_saying_why(pyteste
     _user_namespaces()
     pytester.makepyfile(pcbackends=BACKENDS)
     pytester.makefile(".toml", pc=PROFILE + "held_ops = 4\nio_errors = true\n")
-    args = [*RUN, "--botmesh-backend=sqlite", "--botmesh-parts=powercuts", "--botmesh-matrix=pc.toml",
+    args = [*RUN, "-rs", "--botmesh-backend=sqlite", "--botmesh-parts=powercuts", "--botmesh-matrix=pc.toml",
             "--botmesh-seed=3", "--botmesh-report=r.json", *(["--botmesh-require-powercuts"] if required else [])]
     result = pytester.run("unshare", "-Ur", sys.executable, "-m", "pytest", *args, timeout=600)
     if required:

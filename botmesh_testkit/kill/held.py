@@ -152,7 +152,8 @@ class HeldSweepRun:
         if ops:
             lines.append("  held: " + ", ".join(f"{op} {c}" for op, c in sorted(ops.items())))
         lines.extend(f"  note: {n}" for n in self.notes)
-        failed = self.failed
+        # an acknowledged message lost (GUAR-1) first: the worst a point can show
+        failed = sorted(self.failed, key=lambda p: ("GUAR-1" not in _ids(p), p.n))
         for p in failed[:SHOWN_POINTS]:
             assert p.result is not None
             lines.append(f"  point {p.describe()}: FAILED")
@@ -162,10 +163,15 @@ class HeldSweepRun:
                 lines.append(f"    ... and {len(violations) - SHOWN_VIOLATIONS} more violation(s)")
         if len(failed) > SHOWN_POINTS:
             lines.append(f"  ... and {len(failed) - SHOWN_POINTS} more failing point(s): "
-                         + ", ".join(f"#{p.n} ({p.after})" for p in failed[SHOWN_POINTS:]))
+                         + "; ".join(f"#{p.n} ({p.after}) {', '.join(sorted(_ids(p)))}"
+                                     for p in sorted(failed[SHOWN_POINTS:], key=lambda p: p.n)))
         if not self.passed:
             lines.append(f"  violated ids: {', '.join(sorted(self.violated_ids))}")
         return "\n".join(lines)
+
+
+def _ids(point: HeldPoint) -> set[str]:
+    return point.result.violated_ids if point.result is not None else set()
 
 
 class _PointLoop(KillLoop):
