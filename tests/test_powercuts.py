@@ -11,7 +11,9 @@ only the power cut tells them apart.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -392,3 +394,41 @@ def test_a_crash_of_the_fuse_server_fails_the_item_as_the_harness_fault(pytester
     assert entry["broken"] == [], entry
     result.stdout.fnmatch_lines(["*the power-cut FUSE server (pid *) killed by SIGKILL while *",
                                  "*not a violation by the backend*"])
+
+
+STALE_OWNER = r"""
+import sys
+from botmesh_testkit.crash.fs import PowerCutFS
+m = PowerCutFS(sys.argv[1]).mount()
+print(m.path, m.server_pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def _mounted(path: str) -> bool:
+    with open("/proc/mounts", encoding="utf-8") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+@pytest.mark.spec("TEST-3")
+def test_a_mount_left_by_a_killed_run_is_unmounted_when_the_part_starts(pytester: pytest.Pytester) -> None:
+    """A run killed with its FUSE server leaves a dead mount ("Transport endpoint is not
+    connected"); the next run's powercuts part finds it (the mount registry: owner and
+    server dead) and unmounts it before any item runs (--collect-only: no item runs at
+    all). Any mount on this machine cleans up the same way, so a concurrent run may get
+    there first: the same mechanism at work."""
+    owner = subprocess.Popen([sys.executable, "-c", STALE_OWNER, str(pytester.path / "killed")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    path, server = owner.stdout.readline().split()
+    os.kill(int(server), signal.SIGKILL)  # the whole run dies: its FUSE server...
+    owner.kill()                          # ...and the test process
+    owner.communicate(timeout=60)
+    if not _mounted(path):  # left behind, unless another run's mount cleaned it already
+        pytest.skip("another run on this machine unmounted the dead mount first (the same clean-up)")
+    pytester.makefile(".toml", pc=HELD_PROFILE)
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=file", "--botmesh-parts=powercuts",
+                                           "--botmesh-matrix=pc.toml", "--botmesh-require-powercuts", "--collect-only")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*file/12-held-ops*"])
+    assert not _mounted(path) and not os.path.exists(path)
