@@ -43,6 +43,7 @@ from botmesh_testkit.crash.fs import (
     unavailable_reason,
 )
 from botmesh_testkit.crash.fs import mount as mount_module
+from botmesh_testkit.kill.held import sweep_points
 
 REQUIRE = bool(os.environ.get("BOTMESH_REQUIRE_SERVICES"))
 CHILD_TIMEOUT = 120
@@ -715,6 +716,19 @@ def test_a_rule_over_several_operations_counts_them_together(pc: PowerCutMount) 
     _kill(child)
     with pytest.raises(ValueError, match="unknown operation 'write[|]chmod'"):
         pc.hold("write|chmod")
+
+
+@pytest.mark.parametrize(("operations", "points", "expected"), [
+    (5, 24, [1, 2, 3, 4, 5]),           # fewer operations than points: every one
+    (24, 24, list(range(1, 25))),
+    (305, 5, [1, 77, 153, 229, 305]),   # more: spread from the first to the last
+    (305, 1, [1]),
+    (0, 24, []),
+    (10, 0, []),
+])
+def test_the_sweep_holds_every_operation_or_spreads_them_from_first_to_last(
+        operations: int, points: int, expected: list[int]) -> None:
+    assert sweep_points(operations, points) == expected
 
 
 def _wait_exit(pid: int) -> None:
