@@ -66,7 +66,7 @@ class Profile:
     the bot's process SIGKILLed while its n-th write, truncate or rename of a short
     workload is held, n over every operation of it (or this many spread over them), each
     followed by a process death only or a power cut; same backends as the power cuts,
-    except the server ones (0: no sweep)."""
+    except the server ones; under the first of ``policies`` (0: no sweep)."""
     io_errors: bool = False
     """Run the I/O-error loop too (every file-system operation of a short workload
     failed once, in turn; same backends as the power cuts)."""
