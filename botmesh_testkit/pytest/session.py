@@ -97,9 +97,9 @@ class BotmeshSession:
                 why.setdefault("explore", f"profile {profile.name!r} explores no stories (explore_examples = 0)")
             if not profile.kills:
                 why.setdefault("kills", f"profile {profile.name!r} has no kill loops (kills = 0)")
-            if not profile.power_cuts and not profile.io_errors:
-                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0) "
-                                            "and no I/O-error loop")
+            if not profile.power_cuts and not profile.held_ops and not profile.io_errors:
+                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0), "
+                                            "no held-operation sweep (held_ops = 0) and no I/O-error loop")
             if not profile.corruption_variants:
                 why.setdefault("corruption", f"profile {profile.name!r} damages no files (corruption_variants = 0)")
         except ValueError:
