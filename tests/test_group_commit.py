@@ -454,11 +454,11 @@ def _log_with(entries: int) -> tuple[bytes, list[bytes]]:
 @pytest.mark.spec("BACK-5")
 def test_a_hole_before_complete_lines_of_the_last_write_is_cut_not_refused() -> None:
     from botmesh.core.errors import JournalCorruptError
-    from botmesh.core.file_format import LOG_HEADER, SECTOR_BYTES, scan_log
+    from botmesh.core.file_format import LOG_HEADER, SECTOR, scan_log
 
     data, lines = _log_with(20)
     start = len(LOG_HEADER) + sum(map(len, lines[:3]))  # the last write: lines 4-20
-    sector = ((start + len(lines[3])) // SECTOR_BYTES + 1) * SECTOR_BYTES  # its first sector after line 4
+    sector = ((start + len(lines[3])) // SECTOR + 1) * SECTOR  # its first sector after line 4
     assert data.count(b"\n", sector) >= 3, "the test needs complete lines after the hole"
     holed = data[:start] + b"\0" * (sector - start) + data[sector:]  # that sector reached the disk, not the one before
     scan = scan_log(holed, "j.log")

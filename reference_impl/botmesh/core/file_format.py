@@ -69,28 +69,28 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
   returned). When the bytes after the last newline start with a complete length and
   checksum and run *past* that length, the line reached its full size with a wrong
   terminator: that is damage, not a torn write.
-* **A hole in the last write** (group commit, issue 16): the writer appends the lines of
-  several concurrent writes with one ``write`` and one fsync, and writes nothing more
-  before that fsync returned — so at a power cut at most the *last write* is unsynced,
-  and it is never longer than :data:`MAX_WRITE_BYTES` unless it is a single line. A disk
-  may persist the blocks of that write in any order, leaving zeros (a hole) before
-  later, complete lines of the same write; a hole is a run of NUL bytes (the writer
-  never writes one: lines are ASCII text) that ends where a sector of the disk starts
-  (a multiple of :data:`SECTOR_BYTES`, 512) or at the end of the file. So the first
-  damaged line is also an unfinished write — cut off with everything after it, and the
-  rest replayed — when it holds such a hole and starts within the last
-  :data:`MAX_WRITE_BYTES` (1 MiB) of the file or is the file's last line. None of what
-  is cut was acknowledged: a write is acknowledged only after its fsync, and the next
-  write starts only after it. BACK-5's "a bad line in the middle followed by more
-  entries is corruption" is read with "line" meaning "write": damage without such a
-  hole, or further from the end, stays ``APPEND_LOG_CORRUPT``, and so does a cut that
-  would leave the log short of the snapshot's ``log_seq`` (those entries were synced
-  before the snapshot was written). What this gives up: sectors of zeros in the last
-  1 MiB of the log that are not a power cut's are read as one (the log as of the line
-  before them) instead of refused — like a log cut exactly at a line's end (below).
+* The same holds for a line that reached its newline but has a **hole**: a run of NUL
+  bytes (never written: lines are ASCII) from the line's start or a 512-byte sector
+  boundary up to a sector boundary — when it is the *final* line, or the first damaged
+  line of the *last write*. A power cut leaves holes in an unsynced append whose pages
+  reached the disk out of order (XFS moves the size at the later page's I/O completion;
+  ext4's ordered mode only orders newly allocated blocks, not the rewrite of the partly
+  filled page before them). With group commit (issue 16) one ``write`` of at most
+  :data:`MAX_WRITE_BYTES` (1 MiB; a longer line alone) carries the lines of several
+  writes, fsynced before anything more is written: at most that last write is unsynced
+  and a hole may precede later, complete lines of it. So a holed line starting within
+  the last 1 MiB (or the last line) is cut with everything after it, and the rest
+  replayed; none of it was acknowledged. BACK-5's "half-written *last* line trimmed, bad
+  line in the middle followed by more entries corrupt" is read with "line" as "write".
+  A hole further from the end stays ``APPEND_LOG_CORRUPT``, as does a cut leaving the
+  log short of the snapshot's ``log_seq``. Given up: zeroed sectors in the last 1 MiB
+  that are not a power cut's read as one (the log as of the line before) instead of
+  being refused — like a log cut exactly at a line's end (below).
 * **Every other complete line** (one ending in a newline) must have the right length and
   checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
-  the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write.
+  the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write (one flipped bit
+  never makes a hole: the line's first byte is a digit, and a run of two NULs needs two
+  flips).
 * **Sequence numbers**: entries follow each other by one; the first is at most
   ``log_seq + 1``; entries at or before ``log_seq`` (left by a crash between compaction's
   two steps) are skipped only after checking that the snapshot holds what they wrote, and
@@ -134,8 +134,8 @@ __all__ = [
     "LOG_HEADER",
     "MAX_VALUE_DEPTH",
     "MAX_WRITE_BYTES",
-    "SECTOR_BYTES",
     "READABLE_VERSIONS",
+    "SECTOR",
     "SNAPSHOT_FORMAT",
     "Entry",
     "LogEntry",
@@ -167,11 +167,8 @@ MAX_VALUE_DEPTH = 128
 by ``FileKv.put`` with ``ValueError``, and a line nesting deeper is damage: the reader
 never recurses without bound."""
 MAX_WRITE_BYTES = 1 << 20
-"""The most bytes ``FileKv`` appends with one write (a group commit's lines; more is split
-into writes each fsync'ed before the next; a longer line goes alone). The reader relies on
-it ("A hole in the last write")."""
-SECTOR_BYTES = 512
-"""A disk writes a sector whole or not at all: a power cut's holes end at a multiple."""
+"""The most bytes ``FileKv`` appends with one write (a longer line alone); the reader's
+hole rule relies on it."""
 _MAX_INT = 2**63 - 1  # versions, sequence numbers, counts
 
 Entry = tuple[dict[str, Any], int, float | None, float | None]
@@ -365,6 +362,8 @@ def _unsupported(path: str, version: object, what: str) -> NoReturn:
 # Bounded parsing
 # ---------------------------------------------------------------------------------------
 
+SECTOR = 512
+"""The smallest unit a disk writes whole: a power cut's holes begin and end on it."""
 _FRAME_HEAD = re.compile(rb"(0|[1-9][0-9]{0,11}) ([0-9a-f]{8}) ")
 # A JSON string (skipped) or a bracket: what the nesting depth is counted over.
 _DEPTH_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
@@ -652,6 +651,28 @@ def _parse_entry(obj: Any, line: int, byte: int, v1: bool) -> LogEntry | str:
     return LogEntry(seq, op, scope, space, key, version, value, due, expires, line, byte)
 
 
+def _lost_sectors(data: bytes, start: int) -> bool:
+    """Whether the damaged line at ``start`` is a power cut's hole in the log's last,
+    never-acknowledged write (reading rules): the final line, or one starting within the
+    last :data:`MAX_WRITE_BYTES`, holding a run of NUL bytes that begins at the line's
+    start or a :data:`SECTOR` boundary and ends at one."""
+    newline = data.find(b"\n", start)
+    end = len(data) if newline == -1 else newline
+    if end < len(data) - 1 and len(data) - start > MAX_WRITE_BYTES:
+        return False
+    pos = start
+    while True:
+        a = data.find(b"\0", pos, end)
+        if a == -1:
+            return False
+        b = a
+        while b < end and data[b] == 0:
+            b += 1
+        if (a == start or a % SECTOR == 0) and b % SECTOR == 0:
+            return True
+        pos = b
+
+
 def scan_log(data: bytes, path: str) -> LogScan:
     """The entries of a log file (version 2, or 1) and the length of its good prefix.
     Raises ``APPEND_LOG_CORRUPT`` for damage that is not a torn final line."""
@@ -675,37 +696,17 @@ def scan_log(data: bytes, path: str) -> LogScan:
         start = pos
         payload, pos, reason = _read_frame(data, pos)
         if payload is None:
-            if reason is not None and not _hole_in_last_write(data, start):
+            if reason is not None and not _lost_sectors(data, start):
                 _corrupt_log(path, line, start, reason)
             return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line or write
         obj, reason = _decode(payload, MAX_VALUE_DEPTH + 1)
         entry = _parse_entry(obj, line, start, v1=False) if reason is None else reason
         if isinstance(entry, str):
-            if _hole_in_last_write(data, start):
+            if _lost_sectors(data, start):
                 return LogScan(entries, start, header_end, FORMAT_VERSION)
             _corrupt_log(path, line, start, entry)
         entries.append(entry)
     return LogScan(entries, len(data), header_end, FORMAT_VERSION)
-
-
-def _hole_in_last_write(data: bytes, start: int) -> bool:
-    """Whether the damaged line at ``start`` is a power cut's hole in the log's last,
-    never-acknowledged write ("A hole in the last write" under Reading): it starts within
-    the last :data:`MAX_WRITE_BYTES` or is the last line, and it holds a run of NUL bytes
-    that ends at a :data:`SECTOR_BYTES` boundary of the file or at its end."""
-    newline = data.find(b"\n", start)
-    end = len(data) if newline == -1 else newline + 1
-    if len(data) - start > MAX_WRITE_BYTES and end != len(data):
-        return False
-    at = data.find(b"\0", start, end)
-    while at != -1:
-        run_end = at
-        while run_end < end and data[run_end] == 0:
-            run_end += 1
-        if run_end % SECTOR_BYTES == 0 or run_end == len(data):
-            return True
-        at = data.find(b"\0", run_end, end)
-    return False
 
 
 def _scan_log_v1(data: bytes, path: str) -> LogScan:
