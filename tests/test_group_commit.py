@@ -372,9 +372,9 @@ async def test_power_cuts_during_a_groups_fsync_on_the_fuse_layer_lose_nothing_a
     ~600 bytes each form one group, its fsync is held, the power is cut (``mode``, 6
     seeds in turn), the held fsync fails. Nothing of the group is acknowledged; the
     journal reopens every time with every acknowledged write, and each write of the
-    group whole or not at all — also when the cut kept a later piece of the group's
-    write without an earlier one (a hole of zeros before complete lines: the reader
-    cuts the unfinished last write, file_format "A hole in the last write")."""
+    group whole or not at all — also when the cut kept a later page of an append
+    without an earlier one (a hole of zeros: the group's appends are cut at page
+    boundaries so that such a hole only ever damages the final line, a torn write)."""
     import threading
 
     from conftest import require_fuse
@@ -443,66 +443,68 @@ async def test_power_cuts_during_a_groups_fsync_on_the_fuse_layer_lose_nothing_a
         mount.unmount()
 
 
-# -- the reader's rule for a hole in the last write -----------------------------------------------------
-def _log_with(entries: int) -> tuple[bytes, list[bytes]]:
-    from botmesh.core.file_format import LOG_HEADER, log_line
+# -- how a group's lines are cut into writes ------------------------------------------------------------
+class RecordingIO(CountingIO):
+    """CountingIO that also records where each append started and how long it was."""
 
-    lines = [log_line(n, "put", S, SP, f"k{n}", 1, ({"n": n}, 1, None, None)) for n in range(1, entries + 1)]
-    return LOG_HEADER + b"".join(lines), lines
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[int, int]] = []
 
-
-@pytest.mark.spec("BACK-5")
-def test_a_hole_before_complete_lines_of_the_last_write_is_cut_not_refused() -> None:
-    from botmesh.core.errors import JournalCorruptError
-    from botmesh.core.file_format import LOG_HEADER, SECTOR, scan_log
-
-    data, lines = _log_with(20)
-    start = len(LOG_HEADER) + sum(map(len, lines[:3]))  # the last write: lines 4-20
-    sector = ((start + len(lines[3])) // SECTOR + 1) * SECTOR  # its first sector after line 4
-    assert data.count(b"\n", sector) >= 3, "the test needs complete lines after the hole"
-    holed = data[:start] + b"\0" * (sector - start) + data[sector:]  # that sector reached the disk, not the one before
-    scan = scan_log(holed, "j.log")
-    assert [e.seq for e in scan.entries] == [1, 2, 3] and scan.good == start
-    # the same zeros ending anywhere but at a sector boundary: damage, not a power cut's hole
-    with pytest.raises(JournalCorruptError):
-        scan_log(data[:start] + b"\0" * (sector - start - 1) + data[sector - 1:], "j.log")
+    def append(self, fd: int, data: bytes, *, fsync: bool) -> None:
+        self.spans.append((os.fstat(fd).st_size, len(data)))
+        super().append(fd, data, fsync=fsync)
 
 
-@pytest.mark.spec("BACK-5")
-def test_damage_without_a_nul_byte_or_far_from_the_end_stays_corruption() -> None:
-    from botmesh.core.errors import JournalCorruptError
-    from botmesh.core.file_format import LOG_HEADER, MAX_WRITE_BYTES, scan_log
-
-    data, lines = _log_with(6)
-    start = len(LOG_HEADER) + sum(map(len, lines[:3]))
-    flipped = data[:start + 5] + b"X" + data[start + 6:]  # garbage, no NUL: a damaged, acknowledged line
-    with pytest.raises(JournalCorruptError) as info:
-        scan_log(flipped, "j.log")
-    assert info.value.code == "APPEND_LOG_CORRUPT" and info.value.line == 5  # type: ignore[attr-defined]
-    # a hole followed by more than one write's worth of lines: not a power cut's
-    big, many = _log_with(6 + MAX_WRITE_BYTES // len(lines[0]) + 10)
-    holed = big[:start] + b"\0" * 20 + big[start + 20:]
-    with pytest.raises(JournalCorruptError) as info:
-        scan_log(holed, "j.log")
-    assert info.value.line == 5  # type: ignore[attr-defined]
-
-
-@pytest.mark.spec("BACK-4", "BACK-5")
-async def test_a_group_larger_than_one_write_goes_out_in_writes_of_whole_lines(tmp_path: Path) -> None:
-    from botmesh.core.file_format import MAX_WRITE_BYTES
-
-    io = CountingIO()
+@pytest.mark.spec("BACK-4", "BACK-5", "BACK-6")
+async def test_a_group_goes_out_in_writes_crossing_at_most_one_page_boundary_inside_their_last_line(
+    tmp_path: Path,
+) -> None:
+    """Each append of a group ends with the first line that reaches the next 4 KiB
+    boundary of the log, so a power cut keeping a later page of it and losing an earlier
+    one can only damage its last line (a torn final line, trimmed) — never leave a hole
+    before complete lines (corruption, BACK-5). The group still shares its fsyncs: far
+    fewer appends than writes."""
+    page = 4096
+    io = RecordingIO()
     kv = FileKv(tmp_path / "journal.json", append_log=True, io=io)
     await kv.open()
+    io.spans.clear()
     io.appends.clear()
-    pad = "p" * (MAX_WRITE_BYTES // 3)
-    await asyncio.gather(*(kv.put(S, SP, f"k{i}", {"pad": pad}, expected_version=0) for i in range(5)))
-    assert sum(io.appends) == 5 and len(io.appends) == 3, io.appends  # 2 + 2 + 1 lines, each write under 1 MiB
+    await asyncio.gather(*(kv.put(S, SP, f"k{i}", {"pad": "p" * 900}, expected_version=0) for i in range(16)))
+    assert sum(io.appends) == 16 and 1 < len(io.appends) <= 6, io.appends
+    data = (tmp_path / "journal.json.log").read_bytes()
+    for offset, length in io.spans:
+        end = offset + length
+        crossings = [b for b in range((offset // page + 1) * page, end, page)]
+        last_line_start = data.rfind(b"\n", offset, end - 1) + 1
+        assert len(crossings) <= 1 and all(b >= last_line_start for b in crossings), (offset, length, crossings)
     kv.abandon()
     again = FileKv(tmp_path / "journal.json", append_log=True)
     await again.open()
-    assert len(await again.scan(S, SP)) == 5
+    assert len(await again.scan(S, SP)) == 16
     await again.close()
+
+
+@pytest.mark.spec("BACK-5")
+def test_a_hole_before_complete_lines_is_still_corruption() -> None:
+    """What the page-cut writes avoid: zeros up to a sector boundary followed by more
+    complete entries is refused (BACK-5: a bad line in the middle followed by more
+    entries), unlike the same hole in the final line, which is a torn write."""
+    from botmesh.core.errors import JournalCorruptError
+    from botmesh.core.file_format import LOG_HEADER, SECTOR, log_line, scan_log
+
+    lines = [log_line(n, "put", S, SP, f"k{n}", 1, ({"n": "x" * 200}, 1, None, None)) for n in range(1, 13)]
+    data = LOG_HEADER + b"".join(lines)
+    start = len(LOG_HEADER) + sum(map(len, lines[:3]))
+    sector = ((start + len(lines[3])) // SECTOR + 1) * SECTOR
+    assert data.count(b"\n", sector) >= 3
+    with pytest.raises(JournalCorruptError) as info:
+        scan_log(data[:start] + b"\0" * (sector - start) + data[sector:], "j.log")
+    assert info.value.code == "APPEND_LOG_CORRUPT"
+    last = len(data) - len(lines[-1])
+    scan = scan_log(data[:last] + b"\0" * (SECTOR - last % SECTOR) + data[last + SECTOR - last % SECTOR:], "j.log")
+    assert [e.seq for e in scan.entries] == list(range(1, 12))
 
 
 # -- a crash of the bot inside a group (crashable) -------------------------------------------------------

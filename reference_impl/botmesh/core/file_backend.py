@@ -26,12 +26,12 @@ Writes (BACK-4, BACK-6):
   without the append log (:mod:`botmesh.core.group_commit`). Each is acknowledged only
   once that one fsync returned; a failed append or fsync fails every write of the group.
   Writes of one key never share a group: a compare-and-set waits for the key's write in
-  flight to settle and is checked against durable state. A group is written with one
-  ``write`` (several of at most 1 MiB each when larger, each fsynced before the next) and
-  fsynced before anything more is written, so at most that one write is ever unsynced:
-  a power cut leaves all of it, none of it, a torn prefix, or — blocks persisted out of
-  order — a hole before later lines of it, which the reader cuts off as an unfinished
-  write (:mod:`botmesh.core.file_format`, "A hole in the last write").
+  flight to settle and is checked against durable state. The group's lines are
+  appended in writes cut at 4 KiB page boundaries, each fsynced before the next is
+  written (usually one or two per group): the pages of one unsynced write may reach the
+  disk in any order, and a write that crosses at most one page boundary, inside its last
+  line, can only leave a torn *final* line — trimmed at open (BACK-5) — never a hole
+  before complete lines, which would have to be refused as corruption.
 * A write reaches the file before it reaches memory: a write that raised
   ``BackendUnavailableError`` left memory unchanged and, when the file could be put back
   (a failed append is truncated away), the file too. When the file cannot be put back

@@ -69,23 +69,14 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
   returned). When the bytes after the last newline start with a complete length and
   checksum and run *past* that length, the line reached its full size with a wrong
   terminator: that is damage, not a torn write.
-* The same holds for a line that reached its newline but has a **hole**: a run of NUL
-  bytes (never written: lines are ASCII) from the line's start or a 512-byte sector
-  boundary up to a sector boundary — when it is the *final* line, or the first damaged
-  line of the *last write*. A power cut leaves holes in an unsynced append whose pages
-  reached the disk out of order (XFS moves the size at the later page's I/O completion;
-  ext4's ordered mode only orders newly allocated blocks, not the rewrite of the partly
-  filled page before them). With group commit (issue 16) one ``write`` of at most
-  :data:`MAX_WRITE_BYTES` (1 MiB; a longer line alone) carries the lines of several
-  writes, fsynced before anything more is written: at most that last write is unsynced
-  and a hole may precede later, complete lines of it. So a holed line starting within
-  the last 1 MiB (or the last line) is cut with everything after it, and the rest
-  replayed; none of it was acknowledged. BACK-5's "half-written *last* line trimmed, bad
-  line in the middle followed by more entries corrupt" is read with "line" as "write".
-  A hole further from the end stays ``APPEND_LOG_CORRUPT``, as does a cut leaving the
-  log short of the snapshot's ``log_seq``. Given up: zeroed sectors in the last 1 MiB
-  that are not a power cut's read as one (the log as of the line before) instead of
-  being refused — like a log cut exactly at a line's end (below).
+* The same holds for a *final* line that reached its newline but has a **hole**: a run
+  of NUL bytes from its start, or from a 512-byte sector boundary, up to a sector
+  boundary. A power cut leaves that of an append that crossed a page boundary when the
+  later page reached the disk and the earlier did not (XFS moves the size at the later
+  page's I/O completion; ext4's ordered mode only orders newly allocated blocks, not
+  the rewrite of the partly filled page before them). An fsync writes both pages, so
+  such a line was never acknowledged: it is cut off like any torn write (BACK-5: a
+  half-written *last* line is trimmed).
 * **Every other complete line** (one ending in a newline) must have the right length and
   checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
   the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write (one flipped bit
@@ -133,9 +124,7 @@ __all__ = [
     "LOG_FORMAT",
     "LOG_HEADER",
     "MAX_VALUE_DEPTH",
-    "MAX_WRITE_BYTES",
     "READABLE_VERSIONS",
-    "SECTOR",
     "SNAPSHOT_FORMAT",
     "Entry",
     "LogEntry",
@@ -166,9 +155,6 @@ MAX_VALUE_DEPTH = 128
 """How deep a stored value may nest (a flat object is depth 1). Deeper values are refused
 by ``FileKv.put`` with ``ValueError``, and a line nesting deeper is damage: the reader
 never recurses without bound."""
-MAX_WRITE_BYTES = 1 << 20
-"""The most bytes ``FileKv`` appends with one write (a longer line alone); the reader's
-hole rule relies on it."""
 _MAX_INT = 2**63 - 1  # versions, sequence numbers, counts
 
 Entry = tuple[dict[str, Any], int, float | None, float | None]
@@ -652,21 +638,23 @@ def _parse_entry(obj: Any, line: int, byte: int, v1: bool) -> LogEntry | str:
 
 
 def _lost_sectors(data: bytes, start: int) -> bool:
-    """Whether the damaged line at ``start`` is a power cut's hole in the log's last,
-    never-acknowledged write (reading rules): the final line, or one starting within the
-    last :data:`MAX_WRITE_BYTES`, holding a run of NUL bytes that begins at the line's
-    start or a :data:`SECTOR` boundary and ends at one."""
+    """Whether the line at ``start`` is the log's *final* line and holds a run of NUL
+    bytes that begins at the line's start or at a sector boundary and ends at one (512
+    bytes): the shape a power cut leaves of an append that crossed a page boundary when
+    the later page reached the disk and the earlier one did not (XFS sets the size at
+    the later page's I/O completion; ext4's ordered mode orders only newly allocated
+    blocks, not the rewrite of the partly filled page before them). That line was never
+    fsynced — an fsync would have written both pages — so it was never acknowledged."""
     newline = data.find(b"\n", start)
-    end = len(data) if newline == -1 else newline
-    if end < len(data) - 1 and len(data) - start > MAX_WRITE_BYTES:
+    if newline != len(data) - 1:
         return False
     pos = start
     while True:
-        a = data.find(b"\0", pos, end)
+        a = data.find(b"\0", pos, newline)
         if a == -1:
             return False
         b = a
-        while b < end and data[b] == 0:
+        while b < newline and data[b] == 0:
             b += 1
         if (a == start or a % SECTOR == 0) and b % SECTOR == 0:
             return True
@@ -698,12 +686,10 @@ def scan_log(data: bytes, path: str) -> LogScan:
         if payload is None:
             if reason is not None and not _lost_sectors(data, start):
                 _corrupt_log(path, line, start, reason)
-            return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line or write
+            return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line
         obj, reason = _decode(payload, MAX_VALUE_DEPTH + 1)
         entry = _parse_entry(obj, line, start, v1=False) if reason is None else reason
         if isinstance(entry, str):
-            if _lost_sectors(data, start):
-                return LogScan(entries, start, header_end, FORMAT_VERSION)
             _corrupt_log(path, line, start, entry)
         entries.append(entry)
     return LogScan(entries, len(data), header_end, FORMAT_VERSION)

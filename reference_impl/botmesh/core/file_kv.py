@@ -18,7 +18,6 @@ from .errors import BackendUnavailableError, ConfigError, JournalLockedError, Ve
 from .file_format import (
     FORMAT_VERSION,
     LOG_HEADER,
-    MAX_WRITE_BYTES,
     Entry,
     Records,
     encode_value,
@@ -72,22 +71,34 @@ class _SnapshotWriteFailed(Exception):
         self.landed = landed
 
 
-def _chunks(lines: list[bytes], data: bytes) -> list[bytes]:
-    """``data`` (the ``lines`` joined) as writes of at most ``MAX_WRITE_BYTES``, each of
-    whole lines (a longer line alone)."""
-    if len(data) <= MAX_WRITE_BYTES:
-        return [data]
-    chunks: list[bytes] = []
+PAGE_BYTES = 4096
+"""The page size the log's writes are cut at (group commit: see :func:`_page_writes`)."""
+
+
+def _page_writes(lines: list[bytes], offset: int) -> list[bytes]:
+    """The ``lines`` of a group, to be appended at ``offset``, as writes that each end with
+    the first line reaching the next page boundary (:data:`PAGE_BYTES`) — each fsync'ed
+    before the next is written. Why: the pages of one unsynced write may reach the disk
+    in any order, so a power cut can keep a later page and lose an earlier one (a hole of
+    zeros). A write that crosses at most one page boundary, inside its last line, can
+    only lose lines up to that last one: the hole and the rest of the write are then the
+    log's final line, which the reader trims as a torn write (file_format, BACK-5). A
+    write crossing more boundaries could leave a hole before *complete* later lines,
+    which the reader must refuse as corruption (a bad line followed by more entries)."""
+    writes: list[bytes] = []
     current: list[bytes] = []
-    size = 0
+    pos = offset
+    boundary = (offset // PAGE_BYTES + 1) * PAGE_BYTES
     for line in lines:
-        if current and size + len(line) > MAX_WRITE_BYTES:
-            chunks.append(b"".join(current))
-            current, size = [], 0
         current.append(line)
-        size += len(line)
-    chunks.append(b"".join(current))
-    return chunks
+        pos += len(line)
+        if pos >= boundary:
+            writes.append(b"".join(current))
+            current = []
+            boundary = (pos // PAGE_BYTES + 1) * PAGE_BYTES
+    if current:
+        writes.append(b"".join(current))
+    return writes
 
 
 def _parse_pid(text: str | None) -> int | None:
@@ -405,12 +416,12 @@ class FileKv(DurableKv):
             seq += 1
             lines.append(log_line(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
                                   c.entry, c.encoded))
-        # One write (up to MAX_WRITE_BYTES) for the group, fsync'ed before anything more
-        # is written: a power cut finds at most that write unsynced, and the reader cuts
-        # it off however the disk left it (file_format: "A hole in the last write").
+        # Writes cut at page boundaries, each fsync'ed before the next (_page_writes): a
+        # power cut finds at most one unsynced, and whatever it left of it is a torn
+        # final line. Without fsync there is nothing to order: one write.
         data = b"".join(lines)
         try:
-            for chunk in _chunks(lines, data):
+            for chunk in _page_writes(lines, self._log_bytes) if self._fsync else [data]:
                 self._io.append(self._log_fd, chunk, fsync=self._fsync)
         except OSError as exc:
             # Part of the group may be in the file: cut it off, or the next append would
