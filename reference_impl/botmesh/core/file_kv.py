@@ -321,7 +321,7 @@ class FileKv(DurableKv):
     ) -> int:
         """See :meth:`DurableKv.put`. The write is on file (and fsync'ed when ``fsync``)
         before it is applied in memory and acknowledged; concurrent writes share that
-        append and fsync (group commit, :mod:`botmesh.core.group_commit`)."""
+        appends and fsyncs (group commit, :mod:`botmesh.core.group_commit`)."""
         due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
         stored = check_json_object(value)
         encoded = encode_value(stored, f"{scope}/{space}/{key}")

@@ -1,8 +1,9 @@
 """Group commit: concurrent writes of one embedded store share one durable flush.
 
-Used by the file journal (:class:`~botmesh.core.file_kv.FileKv`: one append and one
-``fsync`` for a group), the SQLite kv (:class:`~botmesh.sqlite_store.SQLiteKv`: one
-transaction, one ``COMMIT``) and the SQLite store's writes
+Used by the file journal (:class:`~botmesh.core.file_kv.FileKv`: the group's lines in
+one append and one ``fsync`` per 4 KiB page of log, not one per write), the SQLite kv
+(:class:`~botmesh.sqlite_store.SQLiteKv`: one transaction, one ``COMMIT``) and the SQLite
+store's writes
 (:class:`~botmesh.sqlite_store.SQLiteStore`: its own transaction, one ``COMMIT``).
 Without it every write of every chat pays its own fsync; with it the writes that are
 ready at the same moment — typically one per chat being served — pay one between them.
