@@ -178,11 +178,16 @@ end
 """
 
 # ARGV: 1 key, 2 expected version, 3 value JSON, 4 due score or "", 5 expires score or "".
-# Returns {1, new version} or {0, current version} (nothing changed).
+# Returns {1, new version}, or {0, current version, current record text} (nothing
+# changed; the text only when the record exists), so a conflict needs no second read.
 _PUT_LUA = _VERSION_OF + """
-local current = version_of(redis.call('HGET', KEYS[1], ARGV[1]))
+local text = redis.call('HGET', KEYS[1], ARGV[1])
+local current = version_of(text)
 if type(current) == 'table' then return current end
-if current ~= tonumber(ARGV[2]) then return {0, current} end
+if current ~= tonumber(ARGV[2]) then
+  if text then return {0, current, text} end
+  return {0, current}
+end
 local new = current + 1
 redis.call('HSET', KEYS[1], ARGV[1], '{"version":' .. string.format('%d', new) .. ',"value":' .. ARGV[3] .. '}')
 if ARGV[4] == '' then redis.call('ZREM', KEYS[2], ARGV[1]) else redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1]) end
@@ -191,11 +196,14 @@ redis.call('ZADD', KEYS[4], 0, ARGV[1])
 return {1, new}
 """
 
-# ARGV: 1 key, 2 expected version. Returns {1, version} or {0, current version (0: absent)}.
+# ARGV: 1 key, 2 expected version. Returns {1, version} or {0, current version (0:
+# absent), current record text (only when it exists)}.
 _DELETE_LUA = _VERSION_OF + """
-local current = version_of(redis.call('HGET', KEYS[1], ARGV[1]))
+local text = redis.call('HGET', KEYS[1], ARGV[1])
+local current = version_of(text)
 if type(current) == 'table' then return current end
-if current == 0 or current ~= tonumber(ARGV[2]) then return {0, current} end
+if current == 0 then return {0, 0} end
+if current ~= tonumber(ARGV[2]) then return {0, current, text} end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
@@ -652,13 +660,13 @@ class RedisKv(DurableKv):
         keys = self.keys_of(scope, space)
         args = [_b(key), str(int(expected_version)).encode(), text.encode("ascii"), _float_arg("due", due),
                 _float_arg("expires", expires)]
-        ok, version = await self._call(
+        reply = await self._call(
             "put",
             lambda c, s: s["put"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
         )
-        if not ok:
-            raise VersionConflict.at(space, key, expected_version, int(version))
-        return int(version)
+        if not reply[0]:
+            raise _conflict(reply, keys["records"], space, key, expected_version)
+        return int(reply[1])
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` and its index entries, in
@@ -666,12 +674,12 @@ class RedisKv(DurableKv):
         check_delete(scope, space, key, expected_version)
         keys = self.keys_of(scope, space)
         args = [_b(key), str(int(expected_version)).encode()]
-        ok, version = await self._call(
+        reply = await self._call(
             "delete",
             lambda c, s: s["delete"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
         )
-        if not ok:
-            raise VersionConflict.at(space, key, expected_version, int(version))
+        if not reply[0]:
+            raise _conflict(reply, keys["records"], space, key, expected_version)
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
@@ -707,6 +715,21 @@ class RedisKv(DurableKv):
         flat = await self._call("scan", lambda c, s: s["scan"](keys=[keys["records"], keys["keys"]], args=args))
         result = [(_s(flat[i]), _decode_record(flat[i + 1], keys["records"], _s(flat[i]))) for i in range(0, len(flat), 2)]
         return result if exact else result[:limit]
+
+
+def _conflict(reply: list[Any], records: bytes, space: str, key: str, expected: int) -> VersionConflict:
+    """The ``VersionConflict`` of a write script's ``{0, version[, record]}`` reply, with
+    the record found as ``current`` (read by the same script: no second round trip)."""
+    found = int(reply[1])
+    current: Versioned | None = None
+    if len(reply) > 2:
+        try:
+            current = _decode_record(reply[2], records, key)
+        except JournalCorruptError:  # a write reports the conflict; a get reports the damage
+            current = None
+        if current is not None and current.version != found:
+            current = None
+    return VersionConflict.at(space, key, expected, found, current)
 
 
 def _close_sockets_now(client: RedisClient) -> None:
