@@ -71,10 +71,19 @@ class RoundTripCounts:
     requests: int = 0
     replies: int = 0
     commands: Counter[str] = field(default_factory=Counter)
+    prepare_only: int = 0
+    """PostgreSQL round trips that executed nothing: a batch ending in ``Sync`` without
+    ``Execute`` (psycopg prepares a statement server-side on its 5th use on a
+    connection, in a round trip of its own). Included in ``round_trips``."""
+
+    @property
+    def executing(self) -> int:
+        """``round_trips - prepare_only``: the round trips that ran something."""
+        return self.round_trips - self.prepare_only
 
     def snapshot(self) -> RoundTripCounts:
         """An independent copy."""
-        return RoundTripCounts(self.round_trips, self.requests, self.replies, Counter(self.commands))
+        return RoundTripCounts(self.round_trips, self.requests, self.replies, Counter(self.commands), self.prepare_only)
 
 
 class _Unparsable(Exception):
@@ -125,6 +134,7 @@ class _Side:
         self.outstanding = 0
         self.started = False  # PostgreSQL: the start-up packet went through
         self.raw_answers = 0  # PostgreSQL: one-byte answers expected (SSLRequest)
+        self.batch_ran = False  # PostgreSQL: an Execute since the last Sync
         self.broken = False
 
 
@@ -255,8 +265,14 @@ class CountingProxy(FaultProxy):
                 del buf[: 1 + length]
                 name = _PG_FRONTEND.get(kind, kind)
                 if kind in ("S", "Q"):
+                    starts = side.outstanding == 0
                     self._request(side, name)
+                    if kind == "S" and not side.batch_ran and starts:
+                        self.counts.prepare_only += 1
+                    side.batch_ran = False
                 else:
+                    if kind in ("E", "F"):
+                        side.batch_ran = True
                     self.counts.commands[name] += 1
         else:
             buf = side.down
