@@ -85,11 +85,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from botmesh.core import Bot, MemoryStore
 from botmesh.core.errors import VersionConflict
 from botmesh.core.testing import MockProvider
 from botmesh_testkit.crash import PROVIDER_SEND, crashable
+from botmesh_testkit.servers.roundtrips import CountingProxy, RoundTripCounts
 
 PURGE_OPS = ("inbox.purge", "outbox.purge")
 KV_OPS = ("get", "put", "delete", "range", "scan")
@@ -192,7 +194,8 @@ class Server:
     def fresh_prefix(self) -> str:
         raise NotImplementedError
 
-    def backend(self, prefix: str) -> Any:
+    def backend(self, prefix: str, url: str | None = None) -> Any:
+        """A fresh backend under ``prefix`` (through ``url`` when given: the counting proxy)."""
         raise NotImplementedError
 
     async def describe(self) -> None:
@@ -255,10 +258,10 @@ class PostgresServer(Server):
         self.used.append(prefix)
         return prefix
 
-    def backend(self, prefix: str) -> Any:
+    def backend(self, prefix: str, url: str | None = None) -> Any:
         from botmesh.postgres_store import PostgresDurability
 
-        return PostgresDurability(connection_string=self.url, table_prefix=prefix)
+        return PostgresDurability(connection_string=url or self.url, table_prefix=prefix)
 
     async def _admin(self) -> Any:
         import psycopg
@@ -349,10 +352,10 @@ class RedisServer(Server):
         self.used.append(prefix)
         return prefix
 
-    def backend(self, prefix: str) -> Any:
+    def backend(self, prefix: str, url: str | None = None) -> Any:
         from botmesh.redis_store import RedisDurability
 
-        return RedisDurability(url=self.url, prefix=prefix)
+        return RedisDurability(url=url or self.url, prefix=prefix)
 
     def _client(self) -> Any:
         import redis.asyncio
@@ -444,9 +447,12 @@ class BotRun:
     pool_size: int | None = None
     history: list[str] | None = None
     kv_calls: dict[str, int] | None = None
+    round_trips: RoundTripCounts | None = None
 
 
-async def run_bot(backend: Any, chats: int, per_chat: int, *, count: bool, tag: str) -> BotRun:
+async def run_bot(
+    backend: Any, chats: int, per_chat: int, *, count: bool, tag: str, proxy: CountingProxy | None = None
+) -> BotRun:
     """Start a bot on ``backend`` (None: ``durability={}``), feed ``WARMUP`` then
     ``per_chat`` timed messages to each of ``chats`` chats concurrently, stop it."""
     kv_counts = count_kv_calls(backend.kv) if count and backend is not None else None
@@ -471,11 +477,14 @@ async def run_bot(backend: Any, chats: int, per_chat: int, *, count: bool, tag: 
         await asyncio.gather(*(feed(c, WARMUP, "warm") for c in chat_ids))
         history_start = len(wrapped.history) if count and wrapped is not None else 0
         kv_start = Counter(kv_counts) if kv_counts is not None else None
+        if proxy is not None:
+            proxy.reset_counts()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(feed(c, per_chat, "msg") for c in chat_ids))
         seconds = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
+        round_trips = None if proxy is None else proxy.counts.snapshot()
         total = chats * (WARMUP + per_chat)
         if errors:
             raise RuntimeError(f"the bot reported errors: {errors[:3]!r}")
@@ -493,7 +502,7 @@ async def run_bot(backend: Any, chats: int, per_chat: int, *, count: bool, tag: 
             kv_calls = dict(kv_counts - kv_start)
     finally:
         await bot.stop()
-    return BotRun(seconds, chats * per_chat, cpu, pool_size, history, kv_calls)
+    return BotRun(seconds, chats * per_chat, cpu, pool_size, history, kv_calls, round_trips)
 
 
 # --------------------------------------------------------------------------------------
@@ -534,6 +543,9 @@ def summarize_counts(run: BotRun) -> dict[str, Any]:
         "kv_reads_per_msg": (kv.get("get", 0) + kv.get("range", 0) + kv.get("scan", 0)) / n,
         "kv_per_op_per_msg": {op: kv.get(op, 0) / n for op in KV_OPS},
         "kv_conflicts": sum(v for k, v in kv.items() if k.endswith("conflict")),
+        "round_trips_per_msg": None if run.round_trips is None else run.round_trips.executing / n,
+        "prepare_only_round_trips": None if run.round_trips is None else run.round_trips.prepare_only,
+        "server_commands": None if run.round_trips is None else dict(run.round_trips.commands),
     }
 
 
@@ -616,9 +628,15 @@ async def measure(row: Row, args: argparse.Namespace, out: Any) -> None:
         per_chat = max(1, args.count_messages // chats)
         if server is not None:
             prefix = server.fresh_prefix()
+            target = urlsplit(server.url)
+            proxy = CountingProxy(target.hostname or "127.0.0.1", target.port or (5432 if server.key == "postgres" else 6379),
+                                  protocol="postgres" if server.key == "postgres" else "redis")
+            await proxy.start()
             try:
-                res = await run_bot(server.backend(prefix), chats, per_chat, count=True, tag="count-")
+                res = await run_bot(server.backend(prefix, proxy.url_for(server.url)), chats, per_chat, count=True,
+                                    tag="count-", proxy=proxy)
             finally:
+                await proxy.stop()
                 await server.drop(prefix)
         else:
             from botmesh.core import MemoryDurability
@@ -775,7 +793,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     f"{c['writes_per_msg']:.2f}", str(c["purge_calls"]),
                     f"{kvs['put']:.2f} / {kvs['delete']:.2f}",
                     f"{kvs['get']:.2f} / {kvs['range']:.2f} / {kvs['scan']:.2f}",
-                    str(c["kv_conflicts"]), per_op,
+                    str(c["kv_conflicts"]),
+                    "-" if c["round_trips_per_msg"] is None else f"{c['round_trips_per_msg']:.2f}",
+                    per_op,
                 ])
         results["rows"][row.key] = entry
 
@@ -799,8 +819,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"Writes per message (crashable history, {args.count_messages} messages per concurrency after "
               f"{WARMUP} warm-up per chat; sweep purges apart) and kv calls per message", file=out)
         print(table(["backend", "chats", "msgs", "journal writes/msg", "purge calls", "kv put / delete",
-                     "kv get / range / scan", "CAS conflicts", "journal per op (per msg)"], count_lines,
-                    "lrrrrrrrl"), file=out)
+                     "kv get / range / scan", "CAS conflicts", "round trips/msg", "journal per op (per msg)"],
+                    count_lines, "lrrrrrrrrl"), file=out)
+        print("round trips/msg: requests the kv sent while none was outstanding on its connection, counted on the",
+              file=out)
+        print("wire by botmesh_testkit.servers.roundtrips.CountingProxy (psycopg's one-off server-side prepares left",
+              file=out)
+        print("out); a pipeline of N commands is one round trip.", file=out)
         print(file=out)
     pools = {row.label: row.pool for row in rows if row.key == "postgres" and row.pool}
     for label, by in pools.items():
