@@ -80,7 +80,8 @@ class VersionConflict(DurabilityError):
     """A compare-and-set of :class:`botmesh.core.spi.DurableKv` found another version
     than the one expected (or a record where none was expected).
 
-    ``key``, ``expected`` and ``found`` (the version found, 0: absent) are always set.
+    ``key``, ``expected`` and ``found`` (the version found, 0: absent) are set by
+    :meth:`at`, which every built-in kv uses.
     ``current`` is optional (issue 16): the record the kv found — its value and version,
     read in the same server round trip as the failed compare-and-set — when the kv
     reports it; ``None`` when the record was absent (``found == 0``) or the kv does not
@@ -90,6 +91,9 @@ class VersionConflict(DurabilityError):
     """
 
     code = "KV_CONFLICT"
+    key: str  # annotations only: BotmeshError sets them from the details given to at()
+    expected: int
+    found: int
     current: Versioned | None = None
 
     @classmethod
