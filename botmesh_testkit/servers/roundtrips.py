@@ -41,6 +41,8 @@ on timing or on how TCP cuts the bytes into chunks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -152,6 +154,18 @@ class CountingProxy(FaultProxy):
         self.counts = RoundTripCounts()
         self.unparsable = 0
         self._sides: dict[int, _Side] = {}
+        self._idle = asyncio.Event()
+
+    async def stop(self, *, drain: float = 2.0) -> None:
+        """Stop as :meth:`FaultProxy.stop`, after waiting up to ``drain`` seconds for the
+        open connections to end by themselves (their clients closed them): a connection
+        still open is reset, and Python 3.11's asyncio then logs a ``CancelledError``
+        for its handler ("Exception in callback ... connection_made")."""
+        if self._links and drain > 0:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain)
+        await super().stop()
 
     def reset_counts(self) -> RoundTripCounts:
         """Start counting afresh; returns what was counted until now."""
@@ -181,6 +195,8 @@ class CountingProxy(FaultProxy):
     def _close_link(self, link: _Link, *, client_rst: bool, server_rst: bool) -> None:
         self._sides.pop(id(link), None)
         super()._close_link(link, client_rst=client_rst, server_rst=server_rst)
+        if not self._links:
+            self._idle.set()
 
     async def _forward_up(self, link: _Link, data: bytes) -> None:
         self._observe(link, data, up=True)
