@@ -47,7 +47,11 @@ wrapped in ``botmesh_testkit.crash.crashable``: ``len(history)`` minus ``provide
 and the sweep's ``inbox.purge``/``outbox.purge`` calls (once per sweep pass, not per
 message; counted apart), divided by the messages. The same run counts the kv calls that
 reached the server (``get``/``put``/``delete``/``range``/``scan``, and CAS conflicts) per
-message: kv puts + deletes are the server commits one message costs.
+message: kv puts + deletes are the server commits one message costs. In that run the
+backend reaches its server through ``botmesh_testkit.servers.roundtrips.CountingProxy``,
+which counts on the wire the **server round trips per message** (requests sent while
+none was outstanding on the connection; psycopg's one-off server-side prepares left
+out): what the message really costs in network turns, reads included (issue 16).
 
 Client CPU: the CPU time of this process (``time.process_time()``: the bot, the kv and
 the driver; the servers are other processes) during each timed part, divided by its wall
