@@ -17,7 +17,8 @@ What is pinned:
   none of their own), and — once the engine writes with the versions it knows — at
   most 4 (one per journal write).
 
-Servers: ``BOTMESH_POSTGRES_URL`` / ``BOTMESH_REDIS_URL`` (defaults: the local ones).
+Servers: ``BOTMESH_POSTGRES_URL`` / ``BOTMESH_REDIS_URL`` (defaults: the local ones); when
+one does not answer the tests fail, or are skipped with ``BOTMESH_ALLOW_SKIP_SERVICES=1``.
 Every test works in a fresh table prefix / key prefix and removes it.
 """
 
@@ -48,7 +49,33 @@ from botmesh_testkit.servers.roundtrips import CountingProxy
 PG_URL = os.environ.get("BOTMESH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("BOTMESH_REDIS_URL", "redis://127.0.0.1:6379/0")
 KV_OPS = ("get", "put", "delete", "range", "scan")
+ALLOW_SKIP = os.environ.get("BOTMESH_ALLOW_SKIP_SERVICES") == "1"
 spec = pytest.mark.spec
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _servers_answer() -> None:
+    """Both servers must answer: otherwise every test here fails (CI must run them), or is
+    skipped with ``BOTMESH_ALLOW_SKIP_SERVICES=1``."""
+    import redis as sync_redis
+
+    problems = []
+    try:
+        with psycopg.connect(PG_URL, connect_timeout=5) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        problems.append(f"PostgreSQL (BOTMESH_POSTGRES_URL): {exc}")
+    client = sync_redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except sync_redis.RedisError as exc:
+        problems.append(f"Redis at {REDIS_URL} (BOTMESH_REDIS_URL): {exc}")
+    finally:
+        client.close()
+    if problems:
+        if ALLOW_SKIP:
+            pytest.skip("; ".join(problems) + " (BOTMESH_ALLOW_SKIP_SERVICES=1)")
+        pytest.fail("; ".join(problems) + " -- set BOTMESH_ALLOW_SKIP_SERVICES=1 to skip instead", pytrace=False)
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -376,6 +403,7 @@ async def test_a_message_costs_one_round_trip_per_kv_call(backend: str) -> None:
 @spec("BACK-2", "BACK-3", "BACK-7")
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="issue 16: needs the engine's writes with known versions (KvDurability, branch i16-engine); "
     "the stores already take one round trip per kv call -- remove this marker when that lands",
 )
