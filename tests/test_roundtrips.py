@@ -413,3 +413,109 @@ async def test_a_message_costs_at_most_four_round_trips(backend: str) -> None:
     per journal write (no read before a CAS whose version the engine knows)."""
     round_trips, _, calls = await _per_message(backend)
     assert round_trips <= 4, f"{backend}: {round_trips} round trips per message ({calls})"
+
+
+# --------------------------------------------------------------------------------------
+# Redis: independent writes of concurrent callers share round trips (auto-pipelining)
+# --------------------------------------------------------------------------------------
+
+
+@spec("BACK-3", "REPL-1")
+@pytest.mark.parametrize("auto_pipeline", [True, False])
+async def test_concurrent_redis_calls_share_one_round_trip(auto_pipeline: bool) -> None:
+    """8 puts on 8 keys (8 chats) issued at once by one RedisKv go out as ONE pipeline:
+    one round trip, 8 EVALSHA, each with its own result (here: 7 writes and, on the key
+    written before, a conflict with its record). With ``auto_pipeline=False`` they take
+    a connection and a round trip each. One caller alone still takes one round trip."""
+    prefix = f"rt{uuid.uuid4().hex[:8]}"
+    async with CountingProxy(*_host_port(REDIS_URL, 6379), protocol="redis") as proxy:
+        kv = RedisKv(url=proxy.url_for(REDIS_URL), prefix=prefix, auto_pipeline=auto_pipeline)
+        await kv.open()
+        try:
+            await kv.put("s", "inbox", "k3", {"before": True}, expected_version=0)
+            # without pipelining: 8 connections opened here, so none is opened while counting
+            await asyncio.gather(*(kv.get("s", "inbox", f"warm{j}") for j in range(8)))
+            proxy.reset_counts()
+            outcomes = await asyncio.gather(
+                *(kv.put("s", "inbox", f"k{i}", {"chat": i}, expected_version=0) for i in range(8)),
+                return_exceptions=True,
+            )
+            together = proxy.reset_counts()
+            await kv.put("s", "inbox", "alone", {"n": 1}, expected_version=0)
+            alone = proxy.reset_counts()
+            stored = [await kv.get("s", "inbox", f"k{i}") for i in range(8)]
+        finally:
+            await kv.close()
+            await _drop_keys(prefix)
+    conflict = outcomes[3]
+    assert isinstance(conflict, VersionConflict) and conflict.current is not None
+    assert conflict.current.value == {"before": True}
+    assert [o for i, o in enumerate(outcomes) if i != 3] == [1] * 7
+    assert [s.value if s else None for s in stored] == [{"before": True} if i == 3 else {"chat": i} for i in range(8)]
+    assert together.commands == Counter({"EVALSHA": 8})
+    assert together.round_trips == (1 if auto_pipeline else 8), together
+    assert (alone.round_trips, alone.commands) == (1, Counter({"EVALSHA": 1}))
+
+
+@spec("BACK-3")
+async def test_a_pipelined_batch_whose_reply_is_cut_fails_every_call_with_backend_unavailable() -> None:
+    """The connection dropping before the batch's reply fails each of its calls with
+    BackendUnavailableError — outcome unknown, as for one command: here they all landed,
+    which a read by key shows (KvDurability's way to resolve it); the next calls work."""
+    from botmesh.core.errors import BackendUnavailableError
+
+    prefix = f"rt{uuid.uuid4().hex[:8]}"
+    async with CountingProxy(*_host_port(REDIS_URL, 6379), protocol="redis") as proxy:
+        kv = RedisKv(url=proxy.url_for(REDIS_URL), prefix=prefix)
+        await kv.open()
+        try:
+            await kv.get("s", "inbox", "warm")
+            proxy.reset_counts()
+            proxy.cut_reply_after(0)  # the batch reaches the server; its reply never comes back
+            outcomes = await asyncio.gather(
+                *(kv.put("s", "inbox", f"k{i}", {"i": i}, expected_version=0) for i in range(4)),
+                return_exceptions=True,
+            )
+            cut = proxy.reset_counts()
+            landed = [await kv.get("s", "inbox", f"k{i}") for i in range(4)]
+            after = await kv.put("s", "inbox", "after", {"ok": True}, expected_version=0)
+        finally:
+            await kv.close()
+            await _drop_keys(prefix)
+    assert all(isinstance(o, BackendUnavailableError) for o in outcomes), outcomes
+    assert (cut.round_trips, cut.commands) == (1, Counter({"EVALSHA": 4})), cut
+    assert [v.value if v else None for v in landed] == [{"i": i} for i in range(4)]
+    assert after == 1
+
+
+@spec("BACK-3")
+async def test_a_pipelined_batch_reloads_scripts_the_server_lost() -> None:
+    """After the server lost its script cache (a restart; here SCRIPT FLUSH on a private
+    server), the commands of a batch answered NOSCRIPT did not run: the scripts are loaded
+    again and those commands sent once more — each write lands exactly once."""
+    from botmesh_testkit.servers import PrivateRedis, find_redis_server
+
+    if find_redis_server() is None:
+        if ALLOW_SKIP:
+            pytest.skip("redis-server not found (BOTMESH_ALLOW_SKIP_SERVICES=1)")
+        pytest.fail("redis-server not found: this test needs a private server", pytrace=False)
+    with PrivateRedis() as server:
+        kv = RedisKv(url=server.url, prefix="rt")
+        await kv.open()
+        admin = aredis.Redis.from_url(server.url)
+        try:
+            await kv.put("s", "inbox", "k0", {"n": 0}, expected_version=0)
+            await admin.script_flush()
+            outcomes = await asyncio.gather(
+                *(kv.put("s", "inbox", "k0", {"n": i}, expected_version=1) for i in range(1, 4)),
+                *(kv.put("s", "inbox", f"k{i}", {"n": i}, expected_version=0) for i in range(1, 4)),
+                return_exceptions=True,
+            )
+            k0 = await kv.get("s", "inbox", "k0")
+        finally:
+            await admin.aclose()
+            await kv.close()
+    assert sum(o == 2 for o in outcomes[:3]) == 1, outcomes  # one CAS winner on k0, not a replay
+    assert all(isinstance(o, VersionConflict) for o in outcomes[:3] if o != 2), outcomes
+    assert outcomes[3:] == [1, 1, 1], outcomes
+    assert k0 is not None and k0.version == 2

@@ -127,6 +127,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from ._pipeline import AutoPipeline
 
 __all__ = [
     "ClusterSpec",
@@ -178,8 +179,7 @@ end
 """
 
 # ARGV: 1 key, 2 expected version, 3 value JSON, 4 due score or "", 5 expires score or "".
-# Returns {1, new version}, or {0, current version, current record text} (nothing
-# changed; the text only when the record exists), so a conflict needs no second read.
+# Returns {1, new version} or {0, current version, current record text if it exists}.
 _PUT_LUA = _VERSION_OF + """
 local text = redis.call('HGET', KEYS[1], ARGV[1])
 local current = version_of(text)
@@ -196,8 +196,7 @@ redis.call('ZADD', KEYS[4], 0, ARGV[1])
 return {1, new}
 """
 
-# ARGV: 1 key, 2 expected version. Returns {1, version} or {0, current version (0:
-# absent), current record text (only when it exists)}.
+# ARGV: 1 key, 2 expected version. Returns {1, version} or as _PUT_LUA (0: absent).
 _DELETE_LUA = _VERSION_OF + """
 local text = redis.call('HGET', KEYS[1], ARGV[1])
 local current = version_of(text)
@@ -421,6 +420,10 @@ class RedisKv(DurableKv):
 
     ``prefix`` — see :func:`check_prefix`. ``logger`` — where driver errors are
     reported (``logger.error``); default ``logging.getLogger("botmesh.redis_store")``.
+    ``auto_pipeline`` (default True) — on a standalone server, ``get``/``put``/``delete``
+    calls made while others are in flight go out together as one pipeline (one round
+    trip; see :mod:`botmesh.redis_store._pipeline`); False: one connection and one round
+    trip per call. A ``RedisCluster`` never pipelines.
     """
 
     capabilities = Capabilities(survives_crash=True, multi_process=True, multi_host=True, shared=True)
@@ -433,7 +436,12 @@ class RedisKv(DurableKv):
         cluster: ClusterSpec | None = None,
         prefix: str = DEFAULT_PREFIX,
         logger: logging.Logger | None = None,
+        auto_pipeline: bool = True,
     ) -> None:
+        if not isinstance(auto_pipeline, bool):
+            raise ConfigError(
+                f"auto_pipeline: expected True or False, got {auto_pipeline!r}", option="auto_pipeline", value=auto_pipeline
+            )
         given = [name for name, value in (("client", client), ("url", url), ("cluster", cluster)) if value is not None]
         if len(given) != 1:
             raise ConfigError(
@@ -467,6 +475,7 @@ class RedisKv(DurableKv):
                 )
         self._client: RedisClient | None = client if client is not None else self._new_client()
         self._scripts = self._register(self._client)
+        self._pipeline = AutoPipeline(lambda: cast(Redis, self._live_client()), self._script_source) if auto_pipeline else None
         self._state = _NEW
         self._ready_cluster: RedisCluster | None = None
         self._cluster_lock = asyncio.Lock()
@@ -558,6 +567,28 @@ class RedisKv(DurableKv):
         except Exception:  # noqa: BLE001, S110 - a dead process's sockets just vanish
             pass
 
+    def _script_source(self, sha: bytes | str) -> str | None:
+        for script in self._scripts.values():
+            if script.sha == _s(sha):
+                return cast(str, script.script)
+        return None
+
+    def _command(self, *command: Any) -> Callable[[RedisClient, dict[str, Any]], Awaitable[Any]]:
+        """What :meth:`_call` runs for one command: auto-pipelined on a standalone client,
+        else directly (``EVALSHA`` by script name: redis-py's ``Script``)."""
+
+        def run(client: RedisClient, scripts: dict[str, Any]) -> Awaitable[Any]:
+            if command[0] == "EVALSHA":
+                script, keys, args = scripts[command[1]], command[2], command[3]
+                if self._pipeline is not None and isinstance(client, Redis):
+                    return self._pipeline.call("EVALSHA", script.sha, len(keys), *keys, *args)
+                return cast(Awaitable[Any], script(keys=keys, args=args))
+            if self._pipeline is not None and isinstance(client, Redis):
+                return self._pipeline.call(*command)
+            return cast(Awaitable[Any], client.execute_command(*command))
+
+        return run
+
     def _live_client(self) -> RedisClient:
         if self._state == _CLOSED or self._client is None:
             state = "not open yet (call open() first)" if self._state == _NEW else "closed"
@@ -639,7 +670,7 @@ class RedisKv(DurableKv):
         ``HGET``)."""
         check_record(scope, space, key)
         keys = self.keys_of(scope, space)
-        raw = await self._call("get", lambda c, _: c.hget(keys["records"], _b(key)))
+        raw = await self._call("get", self._command("HGET", keys["records"], _b(key)))
         return None if raw is None else _decode_record(raw, keys["records"], key)
 
     async def put(
@@ -661,8 +692,7 @@ class RedisKv(DurableKv):
         args = [_b(key), str(int(expected_version)).encode(), text.encode("ascii"), _float_arg("due", due),
                 _float_arg("expires", expires)]
         reply = await self._call(
-            "put",
-            lambda c, s: s["put"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
+            "put", self._command("EVALSHA", "put", [keys["records"], keys["due"], keys["expires"], keys["keys"]], args)
         )
         if not reply[0]:
             raise _conflict(reply, keys["records"], space, key, expected_version)
@@ -676,7 +706,7 @@ class RedisKv(DurableKv):
         args = [_b(key), str(int(expected_version)).encode()]
         reply = await self._call(
             "delete",
-            lambda c, s: s["delete"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
+            self._command("EVALSHA", "delete", [keys["records"], keys["due"], keys["expires"], keys["keys"]], args),
         )
         if not reply[0]:
             raise _conflict(reply, keys["records"], space, key, expected_version)
@@ -718,8 +748,7 @@ class RedisKv(DurableKv):
 
 
 def _conflict(reply: list[Any], records: bytes, space: str, key: str, expected: int) -> VersionConflict:
-    """The ``VersionConflict`` of a write script's ``{0, version[, record]}`` reply, with
-    the record found as ``current`` (read by the same script: no second round trip)."""
+    """The ``VersionConflict`` of a write script's ``{0, version[, record]}`` reply."""
     found = int(reply[1])
     current: Versioned | None = None
     if len(reply) > 2:
