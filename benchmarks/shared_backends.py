@@ -22,6 +22,9 @@ Rows:
   with its own pool (default sizes: 1 to 10 connections);
 * ``redis (AOF always)``   - ``RedisDurability(url=url, prefix=fresh)`` on a server with
   ``appendonly yes``, ``appendfsync always`` (what ``survives_crash`` needs);
+* ``redis, unpiped``       - the ``redis`` row's server with ``RedisDurability(...,
+  auto_pipeline=False)``: one connection and one round trip per kv call, as before
+  issue 16 (measured right after the ``redis`` row);
 * ``redis (AOF everysec)`` - the same on a second private server with ``appendfsync
   everysec`` (acknowledged writes of the last second may be lost when the server
   crashes), only with private servers.
@@ -347,9 +350,12 @@ class PostgresServer(Server):
 class RedisServer(Server):
     raw_label = "(a) EVALSHA put script"
 
-    def __init__(self, url: str, origin: str, key: str) -> None:
+    def __init__(self, url: str, origin: str, key: str, *, auto_pipeline: bool = True) -> None:
         super().__init__(url, origin)
         self.key = key
+        self.auto_pipeline = auto_pipeline
+        # only said when off: a botmesh older than issue 16 has no such option (--against runs)
+        self.options: dict[str, Any] = {} if auto_pipeline else {"auto_pipeline": False}
 
     def fresh_prefix(self) -> str:
         prefix = f"bmbench_{self.token}_{len(self.used)}"
@@ -359,7 +365,7 @@ class RedisServer(Server):
     def backend(self, prefix: str, url: str | None = None) -> Any:
         from botmesh.redis_store import RedisDurability
 
-        return RedisDurability(url=url or self.url, prefix=prefix)
+        return RedisDurability(url=url or self.url, prefix=prefix, **self.options)
 
     def _client(self) -> Any:
         import redis.asyncio
@@ -381,6 +387,8 @@ class RedisServer(Server):
             await client.aclose()
         aof = self.info.get("appendfsync") if self.info.get("appendonly") in ("yes", None) else "off"
         self.label = f"redis (AOF {aof})" if self.info.get("appendonly") != "no" else "redis (no AOF)"
+        if not self.auto_pipeline:
+            self.label += ", unpiped"
 
     def settings_text(self) -> str:
         i = self.info
@@ -415,7 +423,7 @@ class RedisServer(Server):
     async def kv_puts(self, prefix: str, conns: int, seconds: float) -> tuple[int, float, float]:
         from botmesh.redis_store import RedisKv
 
-        kv = RedisKv(url=self.url, prefix=prefix)
+        kv = RedisKv(url=self.url, prefix=prefix, **self.options)
         await kv.open()
         try:
             async def op(i: int, j: int) -> None:
@@ -600,6 +608,17 @@ async def start_servers(args: argparse.Namespace, wanted: list[str], closers: li
             row.server, row.label = server, server.label
         except Exception as exc:
             row.skipped = one_line(exc)
+        if key == "redis" and "redis-unpiped" in wanted:
+            unpiped = Row("redis-unpiped", "redis, unpiped", None)
+            rows.append(unpiped)
+            if row.server is None:
+                unpiped.skipped = "needs the redis row's server"
+                continue
+            unpiped.server = RedisServer(row.server.url, row.server.origin, "redis-unpiped", auto_pipeline=False)
+            await unpiped.server.describe()
+            unpiped.label = unpiped.server.label
+    if "redis-unpiped" in wanted and "redis" not in wanted:
+        rows.append(Row("redis-unpiped", "redis, unpiped", None, skipped="needs the redis row (--only redis redis-unpiped)"))
     for row in rows:
         if row.skipped:
             print(f"  {row.key:<15} skipped: {row.skipped}", file=out)
@@ -708,7 +727,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     closers: list[Any] = []
     rows: list[Row] = []
-    wanted = args.only or ["memory", "postgres", "redis", "redis-everysec"]
+    wanted = args.only or ["memory", "postgres", "redis", "redis-unpiped", "redis-everysec"]
     try:
         if "memory" in wanted:
             rows.append(Row("memory", "memory (no server)", None))
@@ -868,7 +887,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", metavar="URL",
                    help="use this Redis server (keys bmbench_<random>_*:*, deleted after) instead of private ones; "
                         "the 'redis-everysec' row is then skipped")
-    p.add_argument("--only", nargs="*", choices=["memory", "postgres", "redis", "redis-everysec"],
+    p.add_argument("--only", nargs="*", choices=["memory", "postgres", "redis", "redis-unpiped", "redis-everysec"],
                    help="run only these rows")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
