@@ -44,9 +44,9 @@ Every ``put`` and ``delete`` is ONE Lua script run with ``EVALSHA`` (redis-py's
 ``register_script``): it reads the current version, compares it with
 ``expected_version`` and — only when they match — writes the record and both index
 entries, all inside the server. Concurrent CAS calls on one key therefore have exactly
-one winner, across processes and hosts (REPL-1). ``scan`` is a read-only script as well
-(keys and values from one snapshot); ``get`` is one ``HGET`` and ``range`` one
-``ZRANGEBYSCORE``.
+one winner, across processes and hosts (REPL-1); a conflict returns the record found.
+``scan`` is a read-only script too; ``get`` is one ``HGET``, ``range`` one ``ZRANGEBYSCORE``.
+Concurrent calls share round trips (auto-pipelining, :mod:`botmesh.redis_store._pipeline`).
 
 No automatic retry of a write
 -----------------------------
