@@ -423,10 +423,11 @@ async def test_a_message_costs_at_most_four_round_trips(backend: str) -> None:
 @spec("BACK-3", "REPL-1")
 @pytest.mark.parametrize("auto_pipeline", [True, False])
 async def test_concurrent_redis_calls_share_one_round_trip(auto_pipeline: bool) -> None:
-    """8 puts on 8 keys (8 chats) issued at once by one RedisKv go out as ONE pipeline:
-    one round trip, 8 EVALSHA, each with its own result (here: 7 writes and, on the key
-    written before, a conflict with its record). With ``auto_pipeline=False`` they take
-    a connection and a round trip each. One caller alone still takes one round trip."""
+    """8 puts on 8 keys (8 chats) issued at once by one RedisKv: the first goes out
+    alone, the 7 issued while it is in flight as ONE pipeline — 2 round trips, 8
+    EVALSHA, each with its own result (here: 7 writes and, on the key written before, a
+    conflict with its record). With ``auto_pipeline=False`` they take a connection and a
+    round trip each. One caller alone takes one round trip, no pipeline."""
     prefix = f"rt{uuid.uuid4().hex[:8]}"
     async with CountingProxy(*_host_port(REDIS_URL, 6379), protocol="redis") as proxy:
         kv = RedisKv(url=proxy.url_for(REDIS_URL), prefix=prefix, auto_pipeline=auto_pipeline)
@@ -453,15 +454,17 @@ async def test_concurrent_redis_calls_share_one_round_trip(auto_pipeline: bool) 
     assert [o for i, o in enumerate(outcomes) if i != 3] == [1] * 7
     assert [s.value if s else None for s in stored] == [{"before": True} if i == 3 else {"chat": i} for i in range(8)]
     assert together.commands == Counter({"EVALSHA": 8})
-    assert together.round_trips == (1 if auto_pipeline else 8), together
+    assert together.round_trips == (2 if auto_pipeline else 8), together
     assert (alone.round_trips, alone.commands) == (1, Counter({"EVALSHA": 1}))
 
 
 @spec("BACK-3")
 async def test_a_pipelined_batch_whose_reply_is_cut_fails_every_call_with_backend_unavailable() -> None:
-    """The connection dropping before the batch's reply fails each of its calls with
+    """The connection dropping before a batch's reply fails each of its calls with
     BackendUnavailableError — outcome unknown, as for one command: here they all landed,
-    which a read by key shows (KvDurability's way to resolve it); the next calls work."""
+    which a read by key shows (KvDurability's way to resolve it); the next calls work.
+    (Of 4 puts at once, the first goes alone and is answered; the other 3 are the batch,
+    cut after the server ran it.)"""
     from botmesh.core.errors import BackendUnavailableError
 
     prefix = f"rt{uuid.uuid4().hex[:8]}"
@@ -471,7 +474,7 @@ async def test_a_pipelined_batch_whose_reply_is_cut_fails_every_call_with_backen
         try:
             await kv.get("s", "inbox", "warm")
             proxy.reset_counts()
-            proxy.cut_reply_after(0)  # the batch reaches the server; its reply never comes back
+            proxy.cut_after_request(b"k2")  # the batch reaches the server; its reply never comes back
             outcomes = await asyncio.gather(
                 *(kv.put("s", "inbox", f"k{i}", {"i": i}, expected_version=0) for i in range(4)),
                 return_exceptions=True,
@@ -482,8 +485,9 @@ async def test_a_pipelined_batch_whose_reply_is_cut_fails_every_call_with_backen
         finally:
             await kv.close()
             await _drop_keys(prefix)
-    assert all(isinstance(o, BackendUnavailableError) for o in outcomes), outcomes
-    assert (cut.round_trips, cut.commands) == (1, Counter({"EVALSHA": 4})), cut
+    assert outcomes[0] == 1, outcomes
+    assert all(isinstance(o, BackendUnavailableError) for o in outcomes[1:]), outcomes
+    assert (cut.round_trips, cut.commands) == (2, Counter({"EVALSHA": 4})), cut
     assert [v.value if v else None for v in landed] == [{"i": i} for i in range(4)]
     assert after == 1
 
@@ -491,8 +495,9 @@ async def test_a_pipelined_batch_whose_reply_is_cut_fails_every_call_with_backen
 @spec("BACK-3")
 async def test_a_pipelined_batch_reloads_scripts_the_server_lost() -> None:
     """After the server lost its script cache (a restart; here SCRIPT FLUSH on a private
-    server), the commands of a batch answered NOSCRIPT did not run: the scripts are loaded
-    again and those commands sent once more — each write lands exactly once."""
+    server), a command answered NOSCRIPT did not run: the script is loaded again and the
+    command sent once more — each write lands exactly once. Both for a batch (6 puts
+    queued behind a lone get) and for a lone put."""
     from botmesh_testkit.servers import PrivateRedis, find_redis_server
 
     if find_redis_server() is None:
@@ -506,12 +511,16 @@ async def test_a_pipelined_batch_reloads_scripts_the_server_lost() -> None:
         try:
             await kv.put("s", "inbox", "k0", {"n": 0}, expected_version=0)
             await admin.script_flush()
-            outcomes = await asyncio.gather(
+            results = await asyncio.gather(
+                kv.get("s", "inbox", "k0"),  # in flight alone: the puts queue behind it, one batch
                 *(kv.put("s", "inbox", "k0", {"n": i}, expected_version=1) for i in range(1, 4)),
                 *(kv.put("s", "inbox", f"k{i}", {"n": i}, expected_version=0) for i in range(1, 4)),
                 return_exceptions=True,
             )
+            outcomes = results[1:]
             k0 = await kv.get("s", "inbox", "k0")
+            await admin.script_flush()
+            alone = await kv.put("s", "inbox", "k9", {"n": 9}, expected_version=0)
         finally:
             await admin.aclose()
             await kv.close()
@@ -519,3 +528,4 @@ async def test_a_pipelined_batch_reloads_scripts_the_server_lost() -> None:
     assert all(isinstance(o, VersionConflict) for o in outcomes[:3] if o != 2), outcomes
     assert outcomes[3:] == [1, 1, 1], outcomes
     assert k0 is not None and k0.version == 2
+    assert alone == 1

@@ -2,14 +2,15 @@
 concurrent callers issue while the kv waits for the server go out together, as ONE
 pipeline (one write, one round trip), instead of one connection and one round trip each.
 
-How: a call appends its command to a queue and waits for its own reply. When no batch
-is in flight, a flusher task starts; it sends everything queued so far as one
-non-transactional pipeline, hands each caller its reply (or its own error), and repeats
-while more commands arrived meanwhile. So a lone caller (one chat) sends exactly what it
-sent before, one command per round trip; with several chats at once, their independent
-writes share round trips. Each command is still one ``EVALSHA`` / ``HGET`` executed
-atomically by the server on its own: batching changes how many round trips carry them,
-never what one does (no ``MULTI``; one command's error is its caller's alone).
+How: a call made while nothing is in flight is sent at once, on its own (a lone caller
+— one chat — costs what it cost before: one command, one round trip, no extra task). A
+call made while a round trip is in flight joins a queue; when the round trip ends, a
+flusher task sends everything queued as one non-transactional pipeline, hands each
+caller its reply (or its own error), and repeats while more calls queued meanwhile. So
+with several chats at once, their independent commands share round trips. Each command
+is still one ``EVALSHA`` / ``HGET`` executed atomically by the server on its own:
+batching changes how many round trips carry them, never what one does (no ``MULTI``;
+one command's error is its caller's alone).
 
 Errors: a connection lost while a batch is in flight fails every command of that batch
 with that error — each of them may or may not have run, exactly the "outcome unknown" of
@@ -42,18 +43,48 @@ class AutoPipeline:
         self._client = client
         self._script = script
         self._queue: list[_Entry] = []
+        self._busy = False  # a round trip is in flight (a lone call, or a flusher's batch)
         self._flusher: asyncio.Task[None] | None = None
 
     async def call(self, *command: Any) -> Any:
-        """Send ``command`` (``execute_command`` arguments) with whatever else is queued;
-        its reply, or its error (a driver error, as redis-py raises it)."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((command, future))
-        if self._flusher is None or self._flusher.done():
+        """Send ``command`` (``execute_command`` arguments): at once when nothing is in
+        flight, else with the next batch. Its reply, or its error (a driver error, as
+        redis-py raises it)."""
+        if self._busy:
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._queue.append((command, future))
+            return await future
+        self._busy = True
+        try:
+            client = self._client()
+            try:
+                return await client.execute_command(*command)
+            except NoScriptError:  # it did not run: load the script, send it again
+                source = self._script(command[1]) if command[0] == "EVALSHA" else None
+                if source is None:
+                    raise
+                await client.script_load(source)
+                return await client.execute_command(*command)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """The round trip in flight ended: send what queued meanwhile, or go idle."""
+        if self._queue:
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
-        return await future
+        else:
+            self._busy = False
 
     async def _flush(self) -> None:
+        try:
+            await self._flush_queue()
+        finally:
+            self._busy = False
+            if self._queue:  # queued after the last batch's round trip, as the flusher ended
+                self._busy = True
+                self._release()
+
+    async def _flush_queue(self) -> None:
         while self._queue:
             batch, self._queue = self._queue, []
             batch = [(command, future) for command, future in batch if not future.done()]  # cancelled callers
