@@ -23,8 +23,8 @@ commands sent once more — the only resend, as with redis-py's own ``Script`` o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
@@ -57,14 +57,15 @@ class AutoPipeline:
         self._busy = True
         try:
             client = self._client()
+            send = cast(Callable[..., Awaitable[Any]], client.execute_command)  # untyped in redis-py
             try:
-                return await client.execute_command(*command)
+                return await send(*command)
             except NoScriptError:  # it did not run: load the script, send it again
                 source = self._script(command[1]) if command[0] == "EVALSHA" else None
                 if source is None:
                     raise
                 await client.script_load(source)
-                return await client.execute_command(*command)
+                return await send(*command)
         finally:
             self._release()
 
