@@ -2,7 +2,7 @@
 by :class:`botmesh_testkit.servers.roundtrips.CountingProxy` — real commands sent to the
 real shared servers, no timing.
 
-Spec ids: BACK-2 (PostgresKv), BACK-3 (RedisKv), BACK-7 (the DurableKv contract: every
+Spec ids: CONF-1 (a bad option named), BACK-2 (PostgresKv), BACK-3 (RedisKv), BACK-7 (the DurableKv contract: every
 write a compare-and-set; ``VersionConflict.current``), REPL-1 (concurrent CAS on one key:
 exactly one winner).
 
@@ -15,7 +15,11 @@ What is pinned:
   creeping back before (or after) a CAS with a known version makes these fail;
 * a message through a bot costs exactly one round trip per kv call (the stores add
   none of their own), and — once the engine writes with the versions it knows — at
-  most 4 (one per journal write).
+  most 4 (one per journal write);
+* Redis auto-pipelining: calls made while a round trip is in flight share the next one
+  (each with its own result), a batch cut by a lost connection fails each of its calls
+  with ``BackendUnavailableError``, a ``NOSCRIPT`` batch is resent once after the
+  script is loaded again, ``auto_pipeline`` must be a bool (CONF-1).
 
 Servers: ``BOTMESH_POSTGRES_URL`` / ``BOTMESH_REDIS_URL`` (defaults: the local ones); when
 one does not answer the tests fail, or are skipped with ``BOTMESH_ALLOW_SKIP_SERVICES=1``.
@@ -529,3 +533,14 @@ async def test_a_pipelined_batch_reloads_scripts_the_server_lost() -> None:
     assert outcomes[3:] == [1, 1, 1], outcomes
     assert k0 is not None and k0.version == 2
     assert alone == 1
+
+
+@spec("CONF-1", "BACK-3")
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_auto_pipeline_must_be_a_bool(bad: Any) -> None:
+    """CONF-1: ``auto_pipeline`` other than True/False is refused naming the option."""
+    from botmesh.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        RedisDurability(url=REDIS_URL, prefix="rtconf", auto_pipeline=bad)
+    assert caught.value.option == "auto_pipeline" and "auto_pipeline" in str(caught.value)
