@@ -103,6 +103,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run only this crash cell (BACKEND/WORKLOAD/POLICY/WHEN:POINT#N)")
     group.addoption("--botmesh-cell-timeout", type=float, default=None, metavar="SECONDS",
                     help=f"real-time budget of one crash cell (default {DEFAULT_CELL_TIMEOUT:g})")
+    group.addoption("--botmesh-item-timeout", type=float, default=None, metavar="SECONDS",
+                    help="real-time budget of one conformance-suite item (default: the matrix profile's item_timeout, "
+                         "120 s at smoke)")
+    group.addoption("--botmesh-dry-run-timeout", type=float, default=None, metavar="SECONDS",
+                    help="real-time budget of one workload's crash-free dry run at collection (default 20)")
     group.addoption("--botmesh-explore-examples", type=int, default=None, metavar="N",
                     help="generated stories per backend in the explore part (default: the profile's explore_examples)")
     group.addoption("--botmesh-explore-seconds", type=float, default=None, metavar="SECONDS",
@@ -136,7 +141,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spec(*ids): the spec requirement ids a test checks")
-    for name in ("botmesh_testkit.pytest.kill_plugin", "botmesh_testkit.pytest.fixtures"):
+    for name in ("botmesh_testkit.pytest.kill_plugin", "botmesh_testkit.pytest.fixtures", "botmesh_testkit.pytest.deadline"):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.import_plugin(name)
     seed = config.getoption("--botmesh-seed")
@@ -150,6 +155,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from .backends.registry import REGISTRY, BackendSpecError, resolve
     from .matrix.profiles import ProfileError, load_profile
 
+    from .pytest.imports import invocation_dir_on_path
+
+    invocation_dir_on_path(config)  # pytest's console script does not put the cwd on sys.path
     config.hook.pytest_botmesh_register_backends(registry=REGISTRY)
     for option, names in (("--botmesh-backend", config.getoption("--botmesh-backend") or []),
                           ("botmesh_backend (ini)", config.getini("botmesh_backend"))):
@@ -177,6 +185,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise usage("botmesh_cell_timeout", f"{config.getini('botmesh_cell_timeout')!r} is not a number of seconds") from None
     if timeout <= 0:
         raise usage("--botmesh-cell-timeout", f"{timeout:g} must be > 0 seconds")
+    from .pytest.deadline import validate
+
+    validate(config)  # --botmesh-item-timeout, --botmesh-dry-run-timeout
     examples, seconds = config.getoption("--botmesh-explore-examples"), config.getoption("--botmesh-explore-seconds")
     if examples is not None and examples < 0:
         raise usage("--botmesh-explore-examples", f"{examples} must be >= 0")
@@ -198,6 +209,7 @@ def _used(config: pytest.Config) -> bool:
                 or config.getoption("--botmesh-cell") or config.getoption("--botmesh-report")
                 or config.getini("botmesh_report") or config.getoption("--botmesh-matrix")
                 or config.getoption("--botmesh-parts") or config.getoption("--botmesh-cell-timeout") is not None
+                or config.getoption("--botmesh-item-timeout") is not None
                 or config.getoption("--botmesh-explore-examples") is not None
                 or config.getini("botmesh_matrix") != DEFAULT_MATRIX
                 or config.getini("botmesh_cell_timeout") != str(DEFAULT_CELL_TIMEOUT))

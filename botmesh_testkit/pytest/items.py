@@ -383,12 +383,16 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
     for workload in profile.workloads:
         if only is not None and only.workload != workload:
             continue
+        from .deadline import BudgetExceeded, alarm, dry_run_budget
+
+        budget = dry_run_budget(config)
+        late = (f"did not finish within its real-time budget of {budget:g} s (--botmesh-dry-run-timeout): a backend "
+                "that hangs or makes the engine spin")
         try:
-            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp:
-                truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), cell_budget(config)))
-        except Exception as exc:  # the backend cannot even run the workload without a crash
-            reason = ("did not finish within the cell budget (--botmesh-cell-timeout)"
-                      if isinstance(exc, TimeoutError) else f"raised {exc!r}")
+            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp, alarm(budget + 1, late):
+                truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), budget))
+        except (Exception, BudgetExceeded) as exc:  # the backend cannot even run the workload without a crash
+            reason = late if isinstance(exc, (TimeoutError, BudgetExceeded)) else f"raised {exc!r}"
             name = f"botmesh-matrix::{backend}/{workload}/dry-run"
             rerun = f"botmesh-testkit run --backend {shlex.quote(backend)} --seed {seed} --parts matrix"
             items.append(BrokenDryRunItem.from_parent(
