@@ -305,6 +305,25 @@ def example_database(config: pytest.Config) -> ExampleDatabase | None:
 
 
 @contextlib.contextmanager
+def hypothesis_home(config: pytest.Config) -> Iterator[None]:
+    """Hypothesis's own files (its cache of the constants it found in the code under
+    test) go under pytest's cache directory too, for the call (put back after: the
+    user's own Hypothesis tests keep theirs); nothing changes when the cache is off."""
+    from hypothesis import configuration
+
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        yield
+        return
+    before = getattr(configuration, "__hypothesis_home_directory", None)
+    configuration.set_hypothesis_home_dir(Path(cache.mkdir("botmesh-hypothesis-home")))
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(before)
+
+
+@contextlib.contextmanager
 def shrink_bound(seconds: float) -> Iterator[None]:
     """Hypothesis stops shrinking a failing example after ``seconds`` (its own bound is
     five minutes, a module constant with no setting: lowered here for the call and put
@@ -354,7 +373,7 @@ class AgreementTests(KvSuiteBase):
         drawn = run_seed(request.config)
         if drawn is not None:
             machine = seed(drawn)(machine)
-        with shrink_bound(self.stateful_shrink_seconds):
+        with shrink_bound(self.stateful_shrink_seconds), hypothesis_home(request.config):
             self._run_machine(machine, example_database(request.config))
 
     def _run_machine(self, machine: type[RuleBasedStateMachine], database: ExampleDatabase | None) -> None:
