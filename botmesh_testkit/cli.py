@@ -110,6 +110,29 @@ def _check_backends(backends: list[str]) -> bool:
     return True
 
 
+def _check_run_args(args: argparse.Namespace) -> str | None:
+    """What the plugin would refuse among ``run``'s arguments, said with the CLI's option
+    names (``--report``, not the plugin's ``--botmesh-report``); None when all is well."""
+    from pathlib import Path
+
+    from .pytest.options import PARTS
+
+    if args.parts:
+        chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
+        if not chosen or any(p not in PARTS for p in chosen):
+            return f"--parts: {args.parts!r}: choose from {', '.join(PARTS)}"
+    for folder in args.scenarios or []:
+        if not Path(folder).is_dir():
+            return f"--scenarios: {folder!r} is not a directory"
+    if args.report:
+        path = Path(args.report).expanduser().absolute()
+        if path.is_dir():
+            return f"--report: {args.report!r} is a directory; give a file path (.json, .md for Markdown, .html for HTML)"
+        if not path.parent.is_dir():
+            return f"--report: the directory of {args.report!r} ({str(path.parent)!r}) does not exist"
+    return None
+
+
 def _pytest_argv(tmp: str, backends: list[str], matrix: str, seed: int) -> list[str]:
     """The start of the inner pytest's arguments: an empty configuration of our own (the
     caller's pytest.ini/pyproject — addopts, filterwarnings=error ... — must not change
@@ -135,6 +158,10 @@ def _run(args: argparse.Namespace) -> int:
 
     backends = args.backend or ["sqlite"]
     if not _check_backends(backends):
+        return 2
+    wrong = _check_run_args(args)
+    if wrong is not None:
+        print(f"botmesh-testkit: {wrong}", file=sys.stderr)
         return 2
     try:
         profile = load_profile(args.matrix)
@@ -168,7 +195,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.report:
             argv.append(f"--botmesh-report={Path(args.report).absolute()}")
         if args.jobs:
-            argv += ["-n", str(args.jobs)]
+            # xdist under -q prints "bringing up nodes..." twice and never the workers' line:
+            # keep pytest's own verbosity there, without its header
+            argv = [a for a in argv if a != "-q"] + ["--no-header", "-n", str(args.jobs)]
         if args.require_services:
             argv.append("--botmesh-require-services")
         if args.quiet:

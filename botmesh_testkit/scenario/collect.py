@@ -217,7 +217,8 @@ class ScenarioItem(pytest.Item):
         return "\n".join(lines)
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"scenario {self.spec.name} [{self.backend}]"
+        # the item's own name (backend, policy, crash point): the header of its failure is its own
+        return self.path, 0, f"scenario {self.path.name}::{self.name}"
 
 
 def _own_mistake(exc: BaseException, file: str) -> ScenarioError | None:
