@@ -331,10 +331,10 @@ def shrink_bound(seconds: float) -> Iterator[None]:
     from hypothesis.internal.conjecture import engine
 
     before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
-    if not isinstance(before, (int, float)):
+    if not isinstance(before, int):
         yield
         return
-    engine.MAX_SHRINKING_SECONDS = min(before, seconds)  # type: ignore[assignment]
+    engine.MAX_SHRINKING_SECONDS = max(1, min(before, int(seconds)))
     try:
         yield
     finally:
