@@ -99,8 +99,12 @@ def _seconds(raw: str) -> float:
 
 def _check_backends(backends: list[str]) -> bool:
     """Whether every ``--backend`` resolves (else the error, naming the option, is printed)."""
+    import os
+
     from .backends.registry import BackendSpecError, resolve
 
+    if any(":" in b for b in backends) and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # pkg.module:factory from the current folder, as the plugin does
     for b in backends:
         try:
             resolve(b)

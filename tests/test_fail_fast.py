@@ -245,3 +245,21 @@ def test_pytest_imports_a_factory_package_from_the_folder_it_runs_in(pytester: p
                           text=True, timeout=BOUND, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"\b1 passed\b", done.stdout), done.stdout[-3000:]
+
+
+@pytest.mark.spec("BACK-7")
+def test_the_cli_imports_a_factory_package_from_the_folder_it_runs_in(tmp_path: Path) -> None:
+    """``botmesh-testkit run`` checks the backends before pytest starts: from the same
+    folder, with a clean ``PYTHONPATH``."""
+    (tmp_path / "mykv").mkdir()
+    (tmp_path / "mykv" / "__init__.py").write_text("")
+    (tmp_path / "mykv" / "store.py").write_text("from botmesh.core.memory import MemoryKv\n\n_KVS = {}\n\n\n"
+                                                "def make(workdir):\n"
+                                                "    return _KVS.setdefault(workdir, MemoryKv())\n")
+    command = Path(sys.executable).with_name("botmesh-testkit")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(command), "run", "--backend", "mykv.store:make", "--parts", "scenarios"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BOUND, check=False)
+    out = done.stdout + done.stderr
+    assert "cannot import" not in out and done.returncode != 2, out[-3000:]
+    assert re.search(r"\b\d+ passed\b", done.stdout), out[-3000:]
