@@ -107,7 +107,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="real-time budget of one conformance-suite item (default: the matrix profile's item_timeout, "
                          "120 s at smoke)")
     group.addoption("--botmesh-dry-run-timeout", type=float, default=None, metavar="SECONDS",
-                    help="real-time budget of one workload's crash-free dry run at collection (default 20)")
+                    help="real-time budget of one workload's crash-free dry run at collection (default 20, at most "
+                         "the cell budget)")
     group.addoption("--botmesh-explore-examples", type=int, default=None, metavar="N",
                     help="generated stories per backend in the explore part (default: the profile's explore_examples)")
     group.addoption("--botmesh-explore-seconds", type=float, default=None, metavar="SECONDS",

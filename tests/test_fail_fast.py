@@ -176,7 +176,7 @@ def test_a_dry_run_that_spins_is_one_item_error_per_workload_within_its_own_budg
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
     failed = re.findall(r"^FAILED (botmesh-matrix::\S+)", out, re.M)
     assert failed and all(f.endswith("/dry-run") for f in failed), failed
-    assert out.count("did not finish within its real-time budget of 1 s (--botmesh-dry-run-timeout)") >= len(failed)
+    assert out.count("did not finish within its real-time budget of 1 s (--botmesh-dry-run-timeout") >= len(failed)
     assert "n += 1" not in out, out[-3000:]
 
 

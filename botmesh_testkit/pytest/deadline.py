@@ -36,6 +36,7 @@ DEFAULT_DRY_RUN_TIMEOUT = 20.0
 """Real seconds a workload's crash-free dry run may take at collection."""
 
 _START = pytest.StashKey[float]()
+_BUDGET = pytest.StashKey[float]()
 
 
 class BudgetExceeded(BaseException):
@@ -45,19 +46,26 @@ class BudgetExceeded(BaseException):
 
 def item_budget(config: pytest.Config) -> float:
     """Real seconds one suite item may take: ``--botmesh-item-timeout``, else the
-    profile's ``item_timeout``."""
-    given = config.getoption("--botmesh-item-timeout")
-    if given is not None:
-        return float(given)
-    from ..matrix.profiles import load_profile
+    profile's ``item_timeout`` (read once per run)."""
+    if _BUDGET not in config.stash:
+        given = config.getoption("--botmesh-item-timeout")
+        if given is not None:
+            config.stash[_BUDGET] = float(given)
+        else:
+            from ..matrix.profiles import load_profile
 
-    return load_profile(matrix_name(config)).item_timeout
+            config.stash[_BUDGET] = load_profile(matrix_name(config)).item_timeout
+    return config.stash[_BUDGET]
 
 
 def dry_run_budget(config: pytest.Config) -> float:
-    """Real seconds one workload's dry run may take (``--botmesh-dry-run-timeout``)."""
+    """Real seconds one workload's dry run may take: ``--botmesh-dry-run-timeout``
+    (default 20), and never more than a cell's budget (the dry run is a cell without a
+    crash)."""
+    from .options import cell_budget
+
     given = config.getoption("--botmesh-dry-run-timeout")
-    return float(given) if given is not None else DEFAULT_DRY_RUN_TIMEOUT
+    return min(float(given) if given is not None else DEFAULT_DRY_RUN_TIMEOUT, cell_budget(config))
 
 
 def validate(config: pytest.Config) -> None:

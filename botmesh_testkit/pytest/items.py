@@ -386,8 +386,8 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
         from .deadline import BudgetExceeded, alarm, dry_run_budget
 
         budget = dry_run_budget(config)
-        late = (f"did not finish within its real-time budget of {budget:g} s (--botmesh-dry-run-timeout): a backend "
-                "that hangs or makes the engine spin")
+        late = (f"did not finish within its real-time budget of {budget:g} s (--botmesh-dry-run-timeout, at most "
+                "--botmesh-cell-timeout): a backend that hangs or makes the engine spin")
         try:
             with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp, alarm(budget + 1, late):
                 truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), budget))
