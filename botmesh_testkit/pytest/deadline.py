@@ -122,13 +122,18 @@ def _message(item: pytest.Item, budget: float) -> str:
             "keeps the item busy until the budget runs out.")
 
 
+TEARDOWN_GRACE = 10.0
+"""Real seconds a budgeted item's teardown has at least, also after its call ran out of
+budget (closing what the test opened is not the backend's hang)."""
+
+
 @contextmanager
-def _phase(item: pytest.Item) -> Generator[None, None, None]:
+def _phase(item: pytest.Item, grace: float = 0.0) -> Generator[None, None, None]:
     """One phase (setup, call, teardown) of a budgeted item, within what is left of the
-    item's budget (counted from the start of its setup)."""
+    item's budget (counted from the start of its setup), or ``grace`` seconds if more."""
     budget = item_budget(item.config)
     start = item.stash.setdefault(_START, time.monotonic())
-    left = budget - (time.monotonic() - start)
+    left = max(budget - (time.monotonic() - start), min(grace, budget))
     with alarm(left, _message(item, budget)):
         yield
 
@@ -154,7 +159,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     if not _budgeted(item):
         return (yield)
-    with _phase(item):
+    with _phase(item, grace=TEARDOWN_GRACE):
         return (yield)
 
 
