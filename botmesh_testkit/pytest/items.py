@@ -392,13 +392,20 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
             with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp, alarm(budget + 1, late):
                 truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), budget))
         except (Exception, BudgetExceeded) as exc:  # the backend cannot even run the workload without a crash
-            reason = late if isinstance(exc, (TimeoutError, BudgetExceeded)) else f"raised {exc!r}"
+            hung = isinstance(exc, (TimeoutError, BudgetExceeded))
+            reason = late if hung else f"raised {exc!r}"
+            # a backend that hangs in one dry run hangs in the next: one item, not a budget per workload
+            rest = [w for w in profile.workloads[profile.workloads.index(workload) + 1:]
+                    if only is None or only.workload == w] if hung else []
+            untried = (f"; the dry runs of its other workloads ({', '.join(rest)}) were not tried" if rest else "")
             name = f"botmesh-matrix::{backend}/{workload}/dry-run"
             rerun = f"botmesh-testkit run --backend {shlex.quote(backend)} --seed {seed} --parts matrix"
             items.append(BrokenDryRunItem.from_parent(
                 session, name=name, nodeid=name, backend=backend, workload=workload, reproduce=rerun,
                 message=f"the crash-free dry run of workload {workload!r} on {backend} {reason}; its crash cells "
-                        f"cannot be drawn. Reproduce: {rerun}"))
+                        f"cannot be drawn{untried}. Reproduce: {rerun}"))
+            if hung:
+                break
             continue
         cells = draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
         if only is not None:
