@@ -370,8 +370,8 @@ def _ids_named(report: pytest.TestReport) -> tuple[str, ...]:
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: Sequence[pytest.Item]) -> str | None:
-    """The plugin's items are added after pytest counted what it collected, so its
-    "collected N items" line leaves them out; this line gives the real totals."""
+    """The totals per part of what is selected (pytest's "collected N items", corrected in
+    :func:`pytest_collection_modifyitems` to count the plugin's items, says how many in all)."""
     counted: Counter[str] = Counter(part_of(item.nodeid) for item in items)
     ours = sum(n for part, n in counted.items() if part != "tests")
     if not ours:
