@@ -192,6 +192,8 @@ def _run(args: argparse.Namespace) -> int:
             argv.append(f"--botmesh-explore-examples={args.explore_examples}")
         if args.explore_seconds is not None:
             argv.append(f"--botmesh-explore-seconds={args.explore_seconds!r}")
+        if args.item_timeout is not None:
+            argv.append(f"--botmesh-item-timeout={args.item_timeout!r}")
         for folder in args.scenarios or []:
             argv.append(f"--botmesh-scenarios={folder}")
         if args.junitxml:
@@ -339,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--explore-seconds", type=_seconds, metavar="S",
                      help="real seconds after which the explore part starts no new story, per backend (default: the "
                           "profile's explore_seconds)")
+    run.add_argument("--item-timeout", type=_seconds, metavar="S",
+                     help="real-time budget of one conformance-suite item (default: the profile's item_timeout, "
+                          "120 s at smoke)")
     run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
     run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
     run.add_argument("--report", metavar="PATH",

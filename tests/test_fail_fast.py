@@ -266,3 +266,15 @@ def test_the_cli_imports_a_factory_package_from_the_folder_it_runs_in(tmp_path: 
     out = done.stdout + done.stderr
     assert "cannot import" not in out and done.returncode != 2, out[-3000:]
     assert re.search(r"\b\d+ passed\b", done.stdout), out[-3000:]
+
+
+@pytest.mark.spec("BACK-7")
+def test_botmesh_testkit_run_passes_its_item_timeout_on(tmp_path: Path) -> None:
+    (tmp_path / "spinning.py").write_text(SPINNING_RANGE)
+    command = Path(sys.executable).with_name("botmesh-testkit")
+    done = subprocess.run([str(command), "run", "--backend", "spinning:make", "--parts", "suite", "--item-timeout",
+                           "1"], cwd=tmp_path, capture_output=True, text=True, timeout=BOUND, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert "did not finish within its real-time budget of 1 s (--botmesh-item-timeout, or --item-timeout of " \
+           "botmesh-testkit run" in out, out[-3000:]

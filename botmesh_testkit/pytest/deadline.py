@@ -117,7 +117,8 @@ def _budgeted(item: pytest.Item) -> bool:
 
 def _message(item: pytest.Item, budget: float) -> str:
     return (f"{item.nodeid}: did not finish within its real-time budget of {budget:g} s "
-            "(--botmesh-item-timeout, default the matrix profile's item_timeout). A backend that hangs, "
+            "(--botmesh-item-timeout, or --item-timeout of botmesh-testkit run; default the matrix profile's "
+            "item_timeout). A backend that hangs, "
             "or answers so that its caller never stops (an unsorted range(), a scan() that does not advance), "
             "keeps the item busy until the budget runs out.")
 
