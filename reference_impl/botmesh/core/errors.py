@@ -111,6 +111,14 @@ class VersionConflict(DurabilityError):
         return error
 
 
+class KvContractError(DurabilityError):
+    """A :class:`~botmesh.core.spi.DurableKv` answered against its contract in a way that
+    would make its caller loop forever (``scan(after=k)`` listing ``k`` again, or a key
+    before it). ``method`` names the kv method, ``key`` the key at fault."""
+
+    code = "KV_CONTRACT"
+
+
 class JournalCorruptError(DurabilityError):
     """A journal cannot be read back. ``file`` names the file; for a damaged append-log
     entry in the middle of the log ``code`` is ``"APPEND_LOG_CORRUPT"`` and ``line`` /
