@@ -21,8 +21,8 @@ pytest_plugins = ["pytester"]
 
 CERTIFY_TIMEOUT = 3600
 """Outer bound of one certification run, against a hang the plugin's own budgets missed
-(every cell, suite item and dry run has its own). Generous on purpose: on an idle 2-core
-machine the full PostgreSQL certification takes ~6 minutes, but with every core kept busy
+(every cell, suite item and dry run has its own). Generous on purpose: the whole CI took 12
+minutes on an idle 2-core machine, but with every core kept busy
 by other work it took over 25 (a 1,500 s bound failed it there: a timing dependence)."""
 
 
