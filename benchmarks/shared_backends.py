@@ -22,6 +22,9 @@ Rows:
   with its own pool (default sizes: 1 to 10 connections);
 * ``redis (AOF always)``   - ``RedisDurability(url=url, prefix=fresh)`` on a server with
   ``appendonly yes``, ``appendfsync always`` (what ``survives_crash`` needs);
+* ``redis, unpiped``       - the ``redis`` row's server with ``RedisDurability(...,
+  auto_pipeline=False)``: one connection and one round trip per kv call, as before
+  issue 16 (measured right after the ``redis`` row);
 * ``redis (AOF everysec)`` - the same on a second private server with ``appendfsync
   everysec`` (acknowledged writes of the last second may be lost when the server
   crashes), only with private servers.
@@ -47,7 +50,11 @@ wrapped in ``botmesh_testkit.crash.crashable``: ``len(history)`` minus ``provide
 and the sweep's ``inbox.purge``/``outbox.purge`` calls (once per sweep pass, not per
 message; counted apart), divided by the messages. The same run counts the kv calls that
 reached the server (``get``/``put``/``delete``/``range``/``scan``, and CAS conflicts) per
-message: kv puts + deletes are the server commits one message costs.
+message: kv puts + deletes are the server commits one message costs. In that run the
+backend reaches its server through ``botmesh_testkit.servers.roundtrips.CountingProxy``,
+which counts on the wire the **server round trips per message** (requests sent while
+none was outstanding on the connection; psycopg's one-off server-side prepares left
+out): what the message really costs in network turns, reads included (issue 16).
 
 Client CPU: the CPU time of this process (``time.process_time()``: the bot, the kv and
 the driver; the servers are other processes) during each timed part, divided by its wall
@@ -85,11 +92,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from botmesh.core import Bot, MemoryStore
 from botmesh.core.errors import VersionConflict
 from botmesh.core.testing import MockProvider
 from botmesh_testkit.crash import PROVIDER_SEND, crashable
+from botmesh_testkit.servers.roundtrips import CountingProxy, RoundTripCounts
 
 PURGE_OPS = ("inbox.purge", "outbox.purge")
 KV_OPS = ("get", "put", "delete", "range", "scan")
@@ -192,7 +201,8 @@ class Server:
     def fresh_prefix(self) -> str:
         raise NotImplementedError
 
-    def backend(self, prefix: str) -> Any:
+    def backend(self, prefix: str, url: str | None = None) -> Any:
+        """A fresh backend under ``prefix`` (through ``url`` when given: the counting proxy)."""
         raise NotImplementedError
 
     async def describe(self) -> None:
@@ -255,10 +265,10 @@ class PostgresServer(Server):
         self.used.append(prefix)
         return prefix
 
-    def backend(self, prefix: str) -> Any:
+    def backend(self, prefix: str, url: str | None = None) -> Any:
         from botmesh.postgres_store import PostgresDurability
 
-        return PostgresDurability(connection_string=self.url, table_prefix=prefix)
+        return PostgresDurability(connection_string=url or self.url, table_prefix=prefix)
 
     async def _admin(self) -> Any:
         import psycopg
@@ -340,19 +350,22 @@ class PostgresServer(Server):
 class RedisServer(Server):
     raw_label = "(a) EVALSHA put script"
 
-    def __init__(self, url: str, origin: str, key: str) -> None:
+    def __init__(self, url: str, origin: str, key: str, *, auto_pipeline: bool = True) -> None:
         super().__init__(url, origin)
         self.key = key
+        self.auto_pipeline = auto_pipeline
+        # only said when off: a botmesh older than issue 16 has no such option (--against runs)
+        self.options: dict[str, Any] = {} if auto_pipeline else {"auto_pipeline": False}
 
     def fresh_prefix(self) -> str:
         prefix = f"bmbench_{self.token}_{len(self.used)}"
         self.used.append(prefix)
         return prefix
 
-    def backend(self, prefix: str) -> Any:
+    def backend(self, prefix: str, url: str | None = None) -> Any:
         from botmesh.redis_store import RedisDurability
 
-        return RedisDurability(url=self.url, prefix=prefix)
+        return RedisDurability(url=url or self.url, prefix=prefix, **self.options)
 
     def _client(self) -> Any:
         import redis.asyncio
@@ -374,6 +387,8 @@ class RedisServer(Server):
             await client.aclose()
         aof = self.info.get("appendfsync") if self.info.get("appendonly") in ("yes", None) else "off"
         self.label = f"redis (AOF {aof})" if self.info.get("appendonly") != "no" else "redis (no AOF)"
+        if not self.auto_pipeline:
+            self.label += ", unpiped"
 
     def settings_text(self) -> str:
         i = self.info
@@ -408,7 +423,7 @@ class RedisServer(Server):
     async def kv_puts(self, prefix: str, conns: int, seconds: float) -> tuple[int, float, float]:
         from botmesh.redis_store import RedisKv
 
-        kv = RedisKv(url=self.url, prefix=prefix)
+        kv = RedisKv(url=self.url, prefix=prefix, **self.options)
         await kv.open()
         try:
             async def op(i: int, j: int) -> None:
@@ -444,9 +459,12 @@ class BotRun:
     pool_size: int | None = None
     history: list[str] | None = None
     kv_calls: dict[str, int] | None = None
+    round_trips: RoundTripCounts | None = None
 
 
-async def run_bot(backend: Any, chats: int, per_chat: int, *, count: bool, tag: str) -> BotRun:
+async def run_bot(
+    backend: Any, chats: int, per_chat: int, *, count: bool, tag: str, proxy: CountingProxy | None = None
+) -> BotRun:
     """Start a bot on ``backend`` (None: ``durability={}``), feed ``WARMUP`` then
     ``per_chat`` timed messages to each of ``chats`` chats concurrently, stop it."""
     kv_counts = count_kv_calls(backend.kv) if count and backend is not None else None
@@ -471,11 +489,14 @@ async def run_bot(backend: Any, chats: int, per_chat: int, *, count: bool, tag: 
         await asyncio.gather(*(feed(c, WARMUP, "warm") for c in chat_ids))
         history_start = len(wrapped.history) if count and wrapped is not None else 0
         kv_start = Counter(kv_counts) if kv_counts is not None else None
+        if proxy is not None:
+            proxy.reset_counts()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(feed(c, per_chat, "msg") for c in chat_ids))
         seconds = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
+        round_trips = None if proxy is None else proxy.counts.snapshot()
         total = chats * (WARMUP + per_chat)
         if errors:
             raise RuntimeError(f"the bot reported errors: {errors[:3]!r}")
@@ -493,7 +514,7 @@ async def run_bot(backend: Any, chats: int, per_chat: int, *, count: bool, tag: 
             kv_calls = dict(kv_counts - kv_start)
     finally:
         await bot.stop()
-    return BotRun(seconds, chats * per_chat, cpu, pool_size, history, kv_calls)
+    return BotRun(seconds, chats * per_chat, cpu, pool_size, history, kv_calls, round_trips)
 
 
 # --------------------------------------------------------------------------------------
@@ -534,6 +555,9 @@ def summarize_counts(run: BotRun) -> dict[str, Any]:
         "kv_reads_per_msg": (kv.get("get", 0) + kv.get("range", 0) + kv.get("scan", 0)) / n,
         "kv_per_op_per_msg": {op: kv.get(op, 0) / n for op in KV_OPS},
         "kv_conflicts": sum(v for k, v in kv.items() if k.endswith("conflict")),
+        "round_trips_per_msg": None if run.round_trips is None else run.round_trips.executing / n,
+        "prepare_only_round_trips": None if run.round_trips is None else run.round_trips.prepare_only,
+        "server_commands": None if run.round_trips is None else dict(run.round_trips.commands),
     }
 
 
@@ -584,6 +608,17 @@ async def start_servers(args: argparse.Namespace, wanted: list[str], closers: li
             row.server, row.label = server, server.label
         except Exception as exc:
             row.skipped = one_line(exc)
+        if key == "redis" and "redis-unpiped" in wanted:
+            unpiped = Row("redis-unpiped", "redis, unpiped", None)
+            rows.append(unpiped)
+            if row.server is None:
+                unpiped.skipped = "needs the redis row's server"
+                continue
+            unpiped.server = RedisServer(row.server.url, row.server.origin, "redis-unpiped", auto_pipeline=False)
+            await unpiped.server.describe()
+            unpiped.label = unpiped.server.label
+    if "redis-unpiped" in wanted and "redis" not in wanted:
+        rows.append(Row("redis-unpiped", "redis, unpiped", None, skipped="needs the redis row (--only redis redis-unpiped)"))
     for row in rows:
         if row.skipped:
             print(f"  {row.key:<15} skipped: {row.skipped}", file=out)
@@ -616,9 +651,15 @@ async def measure(row: Row, args: argparse.Namespace, out: Any) -> None:
         per_chat = max(1, args.count_messages // chats)
         if server is not None:
             prefix = server.fresh_prefix()
+            target = urlsplit(server.url)
+            proxy = CountingProxy(target.hostname or "127.0.0.1", target.port or (5432 if server.key == "postgres" else 6379),
+                                  protocol="postgres" if server.key == "postgres" else "redis")
+            await proxy.start()
             try:
-                res = await run_bot(server.backend(prefix), chats, per_chat, count=True, tag="count-")
+                res = await run_bot(server.backend(prefix, proxy.url_for(server.url)), chats, per_chat, count=True,
+                                    tag="count-", proxy=proxy)
             finally:
+                await proxy.stop()
                 await server.drop(prefix)
         else:
             from botmesh.core import MemoryDurability
@@ -686,7 +727,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     closers: list[Any] = []
     rows: list[Row] = []
-    wanted = args.only or ["memory", "postgres", "redis", "redis-everysec"]
+    wanted = args.only or ["memory", "postgres", "redis", "redis-unpiped", "redis-everysec"]
     try:
         if "memory" in wanted:
             rows.append(Row("memory", "memory (no server)", None))
@@ -775,7 +816,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     f"{c['writes_per_msg']:.2f}", str(c["purge_calls"]),
                     f"{kvs['put']:.2f} / {kvs['delete']:.2f}",
                     f"{kvs['get']:.2f} / {kvs['range']:.2f} / {kvs['scan']:.2f}",
-                    str(c["kv_conflicts"]), per_op,
+                    str(c["kv_conflicts"]),
+                    "-" if c["round_trips_per_msg"] is None else f"{c['round_trips_per_msg']:.2f}",
+                    per_op,
                 ])
         results["rows"][row.key] = entry
 
@@ -799,8 +842,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"Writes per message (crashable history, {args.count_messages} messages per concurrency after "
               f"{WARMUP} warm-up per chat; sweep purges apart) and kv calls per message", file=out)
         print(table(["backend", "chats", "msgs", "journal writes/msg", "purge calls", "kv put / delete",
-                     "kv get / range / scan", "CAS conflicts", "journal per op (per msg)"], count_lines,
-                    "lrrrrrrrl"), file=out)
+                     "kv get / range / scan", "CAS conflicts", "round trips/msg", "journal per op (per msg)"],
+                    count_lines, "lrrrrrrrrl"), file=out)
+        print("round trips/msg: requests the kv sent while none was outstanding on its connection, counted on the",
+              file=out)
+        print("wire by botmesh_testkit.servers.roundtrips.CountingProxy (psycopg's one-off server-side prepares left",
+              file=out)
+        print("out); a pipeline of N commands is one round trip.", file=out)
         print(file=out)
     pools = {row.label: row.pool for row in rows if row.key == "postgres" and row.pool}
     for label, by in pools.items():
@@ -839,7 +887,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", metavar="URL",
                    help="use this Redis server (keys bmbench_<random>_*:*, deleted after) instead of private ones; "
                         "the 'redis-everysec' row is then skipped")
-    p.add_argument("--only", nargs="*", choices=["memory", "postgres", "redis", "redis-everysec"],
+    p.add_argument("--only", nargs="*", choices=["memory", "postgres", "redis", "redis-unpiped", "redis-everysec"],
                    help="run only these rows")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)

@@ -99,8 +99,12 @@ def _seconds(raw: str) -> float:
 
 def _check_backends(backends: list[str]) -> bool:
     """Whether every ``--backend`` resolves (else the error, naming the option, is printed)."""
+    import os
+
     from .backends.registry import BackendSpecError, resolve
 
+    if any(":" in b for b in backends) and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # pkg.module:factory from the current folder, as the plugin does
     for b in backends:
         try:
             resolve(b)
@@ -108,6 +112,29 @@ def _check_backends(backends: list[str]) -> bool:
             print(f"botmesh-testkit: --backend {exc}", file=sys.stderr)
             return False
     return True
+
+
+def _check_run_args(args: argparse.Namespace) -> str | None:
+    """What the plugin would refuse among ``run``'s arguments, said with the CLI's option
+    names (``--report``, not the plugin's ``--botmesh-report``); None when all is well."""
+    from pathlib import Path
+
+    from .pytest.options import PARTS
+
+    if args.parts:
+        chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
+        if not chosen or any(p not in PARTS for p in chosen):
+            return f"--parts: {args.parts!r}: choose from {', '.join(PARTS)}"
+    for folder in args.scenarios or []:
+        if not Path(folder).is_dir():
+            return f"--scenarios: {folder!r} is not a directory"
+    if args.report:
+        path = Path(args.report).expanduser().absolute()
+        if path.is_dir():
+            return f"--report: {args.report!r} is a directory; give a file path (.json, .md for Markdown, .html for HTML)"
+        if not path.parent.is_dir():
+            return f"--report: the directory of {args.report!r} ({str(path.parent)!r}) does not exist"
+    return None
 
 
 def _pytest_argv(tmp: str, backends: list[str], matrix: str, seed: int) -> list[str]:
@@ -136,6 +163,10 @@ def _run(args: argparse.Namespace) -> int:
     backends = args.backend or ["sqlite"]
     if not _check_backends(backends):
         return 2
+    wrong = _check_run_args(args)
+    if wrong is not None:
+        print(f"botmesh-testkit: {wrong}", file=sys.stderr)
+        return 2
     try:
         profile = load_profile(args.matrix)
     except ProfileError as exc:
@@ -161,6 +192,8 @@ def _run(args: argparse.Namespace) -> int:
             argv.append(f"--botmesh-explore-examples={args.explore_examples}")
         if args.explore_seconds is not None:
             argv.append(f"--botmesh-explore-seconds={args.explore_seconds!r}")
+        if args.item_timeout is not None:
+            argv.append(f"--botmesh-item-timeout={args.item_timeout!r}")
         for folder in args.scenarios or []:
             argv.append(f"--botmesh-scenarios={folder}")
         if args.junitxml:
@@ -168,7 +201,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.report:
             argv.append(f"--botmesh-report={Path(args.report).absolute()}")
         if args.jobs:
-            argv += ["-n", str(args.jobs)]
+            # xdist under -q prints "bringing up nodes..." twice and never the workers' line:
+            # keep pytest's own verbosity there, without its header
+            argv = [a for a in argv if a != "-q"] + ["--no-header", "-n", str(args.jobs)]
         if args.require_services:
             argv.append("--botmesh-require-services")
         if args.quiet:
@@ -306,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--explore-seconds", type=_seconds, metavar="S",
                      help="real seconds after which the explore part starts no new story, per backend (default: the "
                           "profile's explore_seconds)")
+    run.add_argument("--item-timeout", type=_seconds, metavar="S",
+                     help="real-time budget of one conformance-suite item (default: the profile's item_timeout, "
+                          "120 s at smoke)")
     run.add_argument("--scenarios", action="append", metavar="DIR", help="also run the scenario files of DIR (repeatable)")
     run.add_argument("--junitxml", metavar="PATH", help="write a JUnit XML report (one test case per item)")
     run.add_argument("--report", metavar="PATH",

@@ -112,6 +112,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run only this crash cell (BACKEND/WORKLOAD/POLICY/WHEN:POINT#N)")
     group.addoption("--botmesh-cell-timeout", type=float, default=None, metavar="SECONDS",
                     help=f"real-time budget of one crash cell (default {DEFAULT_CELL_TIMEOUT:g})")
+    group.addoption("--botmesh-item-timeout", type=float, default=None, metavar="SECONDS",
+                    help="real-time budget of one conformance-suite item (default: the matrix profile's item_timeout, "
+                         "120 s at smoke)")
+    group.addoption("--botmesh-dry-run-timeout", type=float, default=None, metavar="SECONDS",
+                    help="real-time budget of one workload's crash-free dry run at collection (default 20, at most "
+                         "the cell budget)")
     group.addoption("--botmesh-explore-examples", type=int, default=None, metavar="N",
                     help="generated stories per backend in the explore part (default: the profile's explore_examples)")
     group.addoption("--botmesh-explore-seconds", type=float, default=None, metavar="SECONDS",
@@ -123,7 +129,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--botmesh-require-services", action="store_true",
                     default=os.environ.get("BOTMESH_REQUIRE_SERVICES", "") not in ("", "0"),
                     help="fail (instead of skipping) when a PostgreSQL or Redis server cannot be provisioned "
-                         "(default: on when $BOTMESH_REQUIRE_SERVICES is set, as .ci/run does)")
+                         "(default: on when $BOTMESH_REQUIRE_SERVICES is set to anything but 0)")
     group.addoption("--botmesh-require-powercuts", action="store_true", default=False,
                     help="fail (instead of skipping) when the power-cut file system cannot be mounted here "
                          "(also implied by --botmesh-require-services)")
@@ -145,7 +151,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spec(*ids): the spec requirement ids a test checks")
-    for name in ("botmesh_testkit.pytest.kill_plugin", "botmesh_testkit.pytest.fixtures"):
+    for name in ("botmesh_testkit.pytest.kill_plugin", "botmesh_testkit.pytest.fixtures", "botmesh_testkit.pytest.deadline"):
         if not config.pluginmanager.has_plugin(name):
             config.pluginmanager.import_plugin(name)
     seed = config.getoption("--botmesh-seed")
@@ -159,6 +165,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from .backends.registry import REGISTRY, BackendSpecError, resolve
     from .matrix.profiles import ProfileError, load_profile
 
+    from .pytest.imports import invocation_dir_on_path
+
+    invocation_dir_on_path(config)  # pytest's console script does not put the cwd on sys.path
     config.hook.pytest_botmesh_register_backends(registry=REGISTRY)
     for option, names in (("--botmesh-backend", config.getoption("--botmesh-backend") or []),
                           ("botmesh_backend (ini)", config.getini("botmesh_backend"))):
@@ -186,6 +195,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise usage("botmesh_cell_timeout", f"{config.getini('botmesh_cell_timeout')!r} is not a number of seconds") from None
     if timeout <= 0:
         raise usage("--botmesh-cell-timeout", f"{timeout:g} must be > 0 seconds")
+    from .pytest.deadline import validate
+
+    validate(config)  # --botmesh-item-timeout, --botmesh-dry-run-timeout
     examples, seconds = config.getoption("--botmesh-explore-examples"), config.getoption("--botmesh-explore-seconds")
     if examples is not None and examples < 0:
         raise usage("--botmesh-explore-examples", f"{examples} must be >= 0")
@@ -207,6 +219,7 @@ def _used(config: pytest.Config) -> bool:
                 or config.getoption("--botmesh-cell") or config.getoption("--botmesh-report")
                 or config.getini("botmesh_report") or config.getoption("--botmesh-matrix")
                 or config.getoption("--botmesh-parts") or config.getoption("--botmesh-cell-timeout") is not None
+                or config.getoption("--botmesh-item-timeout") is not None
                 or config.getoption("--botmesh-explore-examples") is not None
                 or config.getini("botmesh_matrix") != DEFAULT_MATRIX
                 or config.getini("botmesh_cell_timeout") != str(DEFAULT_CELL_TIMEOUT))
@@ -259,6 +272,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     from .scenario.collect import shipped_dir
 
     state = session_of(config)
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    counted = getattr(terminal, "_numcollected", None)  # pytest's "collected N items", before ours
     backends = selected(config)
     chosen = parts(config)
     skips = state.service_skips
@@ -306,6 +321,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if command is not None:
             item.user_properties.append(("botmesh_reproduce", command))
     items.extend(added)
+    if isinstance(counted, int):
+        # pytest counted what the suite's module collected (classes left out for this backend
+        # included) and none of the items built here: make its "collected N items" the truth
+        terminal._numcollected = counted + len(added)  # type: ignore[union-attr]
 
 
 def _has_server(backend: str) -> bool:
@@ -364,8 +383,8 @@ def _ids_named(report: pytest.TestReport) -> tuple[str, ...]:
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: Sequence[pytest.Item]) -> str | None:
-    """The plugin's items are added after pytest counted what it collected, so its
-    "collected N items" line leaves them out; this line gives the real totals."""
+    """The totals per part of what is selected (pytest's "collected N items", corrected in
+    :func:`pytest_collection_modifyitems` to count the plugin's items, says how many in all)."""
     counted: Counter[str] = Counter(part_of(item.nodeid) for item in items)
     ours = sum(n for part, n in counted.items() if part != "tests")
     if not ours:

@@ -205,7 +205,34 @@ class RecursionKv(MemoryKv):
         return await super().put(scope, space, key, value, expected_version=expected_version, due=due, expires=expires)
 
 
+class StaleCurrentKv(MemoryKv):
+    """Bug: a conflict reports, as ``current``, the record before its last write (a
+    snapshot taken too early), so a caller retrying from it would write on stale data."""
+
+    async def put(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        written = self.__dict__.setdefault("_written", {}).setdefault((scope, space, key), [])
+        try:
+            new = await super().put(scope, space, key, value, expected_version=expected_version, due=due, expires=expires)
+        except VersionConflict as exc:
+            if exc.found and len(written) >= 2:  # the value before the last write, at the current version
+                raise VersionConflict.at(space, key, expected_version, exc.found, Versioned(written[-2], exc.found)) from None
+            raise
+        written.append(check_json_object(value))
+        return new
+
+
 BROKEN: list[type[MemoryKv]] = [
+    StaleCurrentKv,
     CasIgnoresVersionKv,
     DescendingRangeKv,
     IgnoresUptoKv,
@@ -486,4 +513,18 @@ def test_a_recursion_error_for_a_deep_value_fails(pytester: pytest.Pytester) -> 
         ["BACK-7: put() of a value that is nested 100,000 levels deep is outside the contract and must be refused "
          "with TypeError or ValueError before the storage sees it (never the driver's own error); it raised "
          "RecursionError"],
+    )
+
+
+@pytest.mark.spec("BACK-7")
+def test_a_conflict_reporting_a_stale_current_record_fails(pytester: pytest.Pytester) -> None:
+    """BACK-7 (issue 16): a kv whose VersionConflict gives a ``current`` record other than
+    the one stored (here: the value before the last write) is caught."""
+    result, out = _run_suite_against(pytester, "StaleCurrentKv")
+    _assert_fails(
+        result,
+        out,
+        "StaleCurrentKv",
+        ["test_a_conflict_reports_what_it_found"],
+        ["BACK-7: the VersionConflict of put(expected_version=0) on a record at version 3 gives current="],
     )

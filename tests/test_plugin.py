@@ -49,7 +49,7 @@ def test_matrix_runs_as_items_with_a_summary(pytester: pytest.Pytester) -> None:
                                  "memory: suite * passed, 0 failed, 9 skipped; scenarios * passed, 0 failed; "
                                  "matrix * passed, 0 failed",
                                  "*held (*): *GUAR-3, GUAR-4*"])
-    # the header's totals count the plugin's items (pytest's own "collected N" does not)
+    # the header's totals count the plugin's items, per part
     header = re.search(r"^botmesh: (\d+) items in all \(suite (\d+), scenarios (\d+), matrix (\d+), explore (\d+)\)$",
                        result.stdout.str(), re.M)
     summary = re.search(r"^memory: suite (\d+) passed, 0 failed, (\d+) skipped; scenarios (\d+) passed, 0 failed; "

@@ -26,7 +26,8 @@ KILL_MESSAGES = 20
 ``--messages``."""
 
 KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "kill_text_limit",
-        "power_cuts", "held_ops", "io_errors", "explore_examples", "explore_seconds", "corruption_variants")
+        "power_cuts", "held_ops", "io_errors", "explore_examples", "explore_seconds", "corruption_variants",
+        "item_timeout")
 """Every key a profile file may have (``matrices/README.md`` says what each means)."""
 
 
@@ -77,6 +78,9 @@ class Profile:
     corruption_variants: int = 0
     """Damaged copies of a backend's files in the ``corruption`` part (one loop per
     backend whose storage is files in its workdir; 0: none)."""
+    item_timeout: float = 120.0
+    """Real seconds one item of the conformance suite may take before it is failed
+    (``--botmesh-item-timeout`` overrides it; :mod:`botmesh_testkit.pytest.deadline`)."""
 
 
 def builtin_names() -> list[str]:
@@ -134,5 +138,9 @@ def load_profile(name_or_path: str) -> Profile:
     seconds = data.get("explore_seconds", 60.0)
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
         raise ProfileError(f"{path}: explore_seconds must be a number of seconds > 0, got {seconds!r}")
+    item_timeout = data.get("item_timeout", 120.0)
+    if not isinstance(item_timeout, (int, float)) or isinstance(item_timeout, bool) or not 0 < item_timeout < float("inf"):
+        raise ProfileError(f"{path}: item_timeout must be a number of seconds > 0, got {item_timeout!r}")
     return Profile(name, str(data.get("description", "")), workloads, policies, count, io_errors=io_errors,
-                   explore_examples=examples, explore_seconds=float(seconds), **counts)
+                   explore_examples=examples, explore_seconds=float(seconds), item_timeout=float(item_timeout),
+                   **counts)

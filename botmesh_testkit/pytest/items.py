@@ -431,18 +431,29 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
     for workload in profile.workloads:
         if only is not None and only.workload != workload:
             continue
+        from .deadline import BudgetExceeded, alarm, dry_run_budget
+
+        budget = dry_run_budget(config)
+        late = (f"did not finish within its real-time budget of {budget:g} s (--botmesh-dry-run-timeout, at most "
+                "--botmesh-cell-timeout): a backend that hangs or makes the engine spin")
         try:
-            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp:
-                truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), cell_budget(config)))
-        except Exception as exc:  # the backend cannot even run the workload without a crash
-            reason = ("did not finish within the cell budget (--botmesh-cell-timeout)"
-                      if isinstance(exc, TimeoutError) else f"raised {exc!r}")
+            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp, alarm(budget + 1, late):
+                truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), budget))
+        except (Exception, BudgetExceeded) as exc:  # the backend cannot even run the workload without a crash
+            hung = isinstance(exc, (TimeoutError, BudgetExceeded))
+            reason = late if hung else f"raised {exc!r}"
+            # a backend that hangs in one dry run hangs in the next: one item, not a budget per workload
+            rest = [w for w in profile.workloads[profile.workloads.index(workload) + 1:]
+                    if only is None or only.workload == w] if hung else []
+            untried = (f"; the dry runs of its other workloads ({', '.join(rest)}) were not tried" if rest else "")
             name = f"botmesh-matrix::{backend}/{workload}/dry-run"
             rerun = f"botmesh-testkit run --backend {shlex.quote(backend)} --seed {seed} --parts matrix"
             items.append(BrokenDryRunItem.from_parent(
                 session, name=name, nodeid=name, backend=backend, workload=workload, reproduce=rerun,
                 message=f"the crash-free dry run of workload {workload!r} on {backend} {reason}; its crash cells "
-                        f"cannot be drawn. Reproduce: {rerun}"))
+                        f"cannot be drawn{untried}. Reproduce: {rerun}"))
+            if hung:
+                break
             continue
         cells = draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
         if only is not None:

@@ -259,7 +259,13 @@ def dry_run(spec: ScenarioSpec, backend: str, policy: str | None) -> tuple[list[
 
 
 class ScenarioFailure(AssertionError):
-    """An expectation of a scenario did not hold; the message starts with its spec ids."""
+    """An expectation of a scenario did not hold; the message starts with the spec ids
+    it breaks (``ids``): those the expectation named with ``ids=``, else all the
+    scenario's."""
+
+    def __init__(self, message: str, ids: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.ids = tuple(ids)
 
 
 def _point(text: str) -> tuple[str, int]:
@@ -491,13 +497,31 @@ class Scenario:
         return self.world.named(name)
 
     # -- expectations --------------------------------------------------------------------
-    def fail(self, message: str) -> ScenarioFailure:
-        return ScenarioFailure(f"[{', '.join(self.ids)}] {message}")
+    def fail(self, message: str, *, ids: Sequence[str] | None = None) -> ScenarioFailure:
+        """The failure to raise: ``message`` prefixed by the ids it breaks — ``ids`` when
+        given (the one requirement this expectation checks: only it is reported broken),
+        else every id of the scenario."""
+        broken = self.ids if ids is None else tuple(ids)
+        if ids is not None:
+            from ..requirements import suggest, unknown
 
-    def expect(self, condition: object, message: str) -> None:
-        """Fail with ``message`` (prefixed by the scenario's ids) unless ``condition``."""
+            bad = unknown(broken) if broken else ["(none)"]
+            outside = [i for i in broken if i not in self.ids]
+            if outside and not bad:
+                raise ScenarioError(_caller(self.file), f"ids={list(broken)!r}: {outside[0]!r} is not among this "
+                                    f"scenario's ids ({', '.join(self.ids)}); add it to @scenario(...)")
+            if bad:
+                close = suggest(bad[0]) if broken else []
+                raise ScenarioError(_caller(self.file), f"ids={list(broken)!r}: {bad[0]!r} is not a requirement id "
+                                    "of the spec" + (f" (closest: {', '.join(close)})" if close else "")
+                                    + "; `botmesh-testkit spec` lists them")
+        return ScenarioFailure(f"[{', '.join(broken)}] {message}", broken)
+
+    def expect(self, condition: object, message: str, *, ids: Sequence[str] | None = None) -> None:
+        """Fail with ``message`` unless ``condition``; the failure breaks ``ids`` when
+        given (e.g. ``ids=["OPS-1"]`` for a metric), else every id of the scenario."""
         if not condition:
-            raise self.fail(message)
+            raise self.fail(message, ids=ids)
 
     def expect_crashed(self) -> None:
         self.expect(self.crashed or self.last_crash, "the armed crash point was never reached: the scenario "

@@ -143,6 +143,10 @@ class ScenarioItem(pytest.Item):
             self.user_properties.append(("botmesh_scenario_error", str(exc)))
             self.user_properties.append(("botmesh_violated", ()))
             raise
+        except ScenarioFailure as exc:  # broken: the ids the failed expectation names
+            if exc.ids:
+                self.user_properties.append(("botmesh_violated", exc.ids))
+            raise
 
     def _runtest(self) -> None:
         spec = self.spec
@@ -159,7 +163,7 @@ class ScenarioItem(pytest.Item):
             if mistake is not None:
                 raise mistake
             raise ScenarioFailure(f"[{', '.join(spec.ids)}] the crash-free dry run (which finds the crash points) "
-                                  f"failed: {self.dry_error!r}") from self.dry_error
+                                  f"failed: {self.dry_error!r}", spec.ids) from self.dry_error
         with tempfile.TemporaryDirectory(prefix="botmesh-scenario-") as tmp:
             harness = resolve(self.backend)(tmp)
             missing = [c for c in spec.requires if not getattr(harness.capabilities, c, False)]
@@ -213,7 +217,8 @@ class ScenarioItem(pytest.Item):
         return "\n".join(lines)
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"scenario {self.spec.name} [{self.backend}]"
+        # the item's own name (backend, policy, crash point): the header of its failure is its own
+        return self.path, 0, f"scenario {self.path.name}::{self.name}"
 
 
 def _own_mistake(exc: BaseException, file: str) -> ScenarioError | None:

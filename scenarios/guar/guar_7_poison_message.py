@@ -30,6 +30,7 @@ async def a_poison_message_ends_in_the_dlq(s: Scenario) -> None:
         await s.advance(1)
     s.expect(executions == ["p1"] * 3, f"executions {executions}, expected exactly 3 (inbox.max_attempts)")
     await s.expect_states(inbox={"p1": "dead"})
-    s.expect([e["id"] for e in s.events("durability:dead")] == ["p1"], "one durability:dead event for p1 expected")
+    s.expect([e["id"] for e in s.events("durability:dead")] == ["p1"], "one durability:dead event for p1 expected",
+             ids=["OPS-1"])
     await s.receive("c1", "ok", id="m2")
     s.expect_delivered(["fine"])

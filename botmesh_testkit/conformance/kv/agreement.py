@@ -5,14 +5,17 @@ comparing every result and every ``VersionConflict`` (BACK-7, SCOPE-2, LEASE-2).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 from botmesh.core import MemoryKv
 from botmesh.core.errors import VersionConflict
 from botmesh.core.spi import INDEXES, DurableKv, IndexName
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -284,6 +287,60 @@ def make_agreement_machine(
 
 
 
+def run_seed(config: pytest.Config) -> int | None:
+    """The run's ``--botmesh-seed`` (drawn and printed when not given), which seeds the
+    state machine; None when the botmesh plugin is not loaded (Hypothesis draws one)."""
+    found = getattr(config.pluginmanager.get_plugin("botmesh_session"), "seed", None)
+    return int(found) if isinstance(found, int) else None
+
+
+def example_database(config: pytest.Config) -> ExampleDatabase | None:
+    """Hypothesis's database of failing examples, under pytest's cache directory
+    (``.pytest_cache/d/botmesh-hypothesis``), never in the current directory; None (no
+    database) when the cache is off (``-p no:cacheprovider``)."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return None
+    return DirectoryBasedExampleDatabase(Path(cache.mkdir("botmesh-hypothesis")))
+
+
+@contextlib.contextmanager
+def hypothesis_home(config: pytest.Config) -> Iterator[None]:
+    """Hypothesis's own files (its cache of the constants it found in the code under
+    test) go under pytest's cache directory too, for the call (put back after: the
+    user's own Hypothesis tests keep theirs); nothing changes when the cache is off."""
+    from hypothesis import configuration
+
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        yield
+        return
+    before = getattr(configuration, "__hypothesis_home_directory", None)
+    configuration.set_hypothesis_home_dir(Path(cache.mkdir("botmesh-hypothesis-home")))
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(before)
+
+
+@contextlib.contextmanager
+def shrink_bound(seconds: float) -> Iterator[None]:
+    """Hypothesis stops shrinking a failing example after ``seconds`` (its own bound is
+    five minutes, a module constant with no setting: lowered here for the call and put
+    back after; left alone if a Hypothesis release renames it)."""
+    from hypothesis.internal.conjecture import engine
+
+    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if not isinstance(before, int):
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = max(1, min(before, int(seconds)))
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = before
+
+
 class AgreementTests(KvSuiteBase):
     """The model-based agreement tests (a mixin of
     :class:`~botmesh_testkit.conformance.kv.DurableKvConformance`)."""
@@ -292,25 +349,40 @@ class AgreementTests(KvSuiteBase):
     """Hypothesis ``max_examples`` of the model-based test."""
     stateful_step_count: ClassVar[int] = 30
     """Hypothesis ``stateful_step_count`` of the model-based test."""
+    stateful_shrink_seconds: ClassVar[float] = 20.0
+    """Real seconds Hypothesis may spend shrinking a failing example of the model-based
+    test (a broken kv used to take minutes here)."""
 
 
     @pytest.mark.spec("BACK-7", "SCOPE-2", "LEASE-2")
-    def test_agrees_with_the_reference_memory_kv(self, kv_factory: KvFactory) -> None:
+    def test_agrees_with_the_reference_memory_kv(self, kv_factory: KvFactory, request: pytest.FixtureRequest) -> None:
         """BACK-7, SCOPE-2, LEASE-2: random sequences of puts (current, zero, ahead and
         stale versions), deletes, gets, ranges and scans over 2 scopes x 2 spaces x 4
         keys give exactly the results of :class:`~botmesh.core.MemoryKv`, the
         reference — every return value and every ``VersionConflict``; with
-        ``survives_crash`` the kv is also killed or closed and reopened between steps."""
+        ``survives_crash`` the kv is also killed or closed and reopened between steps.
+
+        The examples derive from ``--botmesh-seed`` (the same seed gives the same
+        operations), failing examples are kept under pytest's cache directory, and
+        shrinking stops after ``stateful_shrink_seconds``."""
         machine = make_agreement_machine(
             kv_factory,
             survives_crash=self.claims_survives_crash(kv_factory),
             timeout=self.timeout_seconds,
         )
+        drawn = run_seed(request.config)
+        if drawn is not None:
+            machine = seed(drawn)(machine)
+        with shrink_bound(self.stateful_shrink_seconds), hypothesis_home(request.config):
+            self._run_machine(machine, example_database(request.config))
+
+    def _run_machine(self, machine: type[RuleBasedStateMachine], database: ExampleDatabase | None) -> None:
         run_state_machine_as_test(
             machine,
             settings=settings(
                 max_examples=self.stateful_max_examples,
                 stateful_step_count=self.stateful_step_count,
+                database=database,
                 deadline=None,
                 suppress_health_check=[HealthCheck.too_slow],
                 # No "explain" phase: re-running the failing example under tracing costs

@@ -4,8 +4,11 @@ version being refused): create-if-absent, replace, delete, each refused with
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
+from botmesh.core.errors import VersionConflict
 from botmesh.core.spi import DurableKv, Versioned
 
 from .base import KvFactory, KvSuiteBase, Scopes, _expect_conflict, _state
@@ -232,3 +235,57 @@ class CasTests(KvSuiteBase):
 
         self.run_kv(kv_factory, body)
 
+
+    @pytest.mark.spec("BACK-7")
+    def test_a_conflict_reports_what_it_found(self, kv_factory: KvFactory) -> None:
+        """BACK-7: a ``VersionConflict`` that gives ``found`` gives the version the record
+        is at (0: absent), and one that gives ``current`` (optional: the record found, in
+        the same round trip) gives exactly what ``get`` returns — a caller retries its
+        compare-and-set from it without reading again — as its own copy."""
+
+        async def body(kv: DurableKv, s: Scopes) -> None:
+            await kv.put(s.a, "inbox", "k", {"v": 1}, expected_version=0)
+            await kv.put(s.a, "inbox", "k", {"v": 2, "nested": {"a": [1, 2]}}, expected_version=1, due=4.0)
+            await kv.put(s.a, "inbox", "k", {"v": 3, "nested": {"a": [1, 2]}}, expected_version=2, due=5.0)
+            stored = await kv.get(s.a, "inbox", "k")
+            attempts: list[tuple[str, Callable[[], Awaitable[Any]], Versioned | None]] = [
+                ("put(expected_version=0) on a record at version 3",
+                 lambda: kv.put(s.a, "inbox", "k", {"x": 1}, expected_version=0), stored),
+                ("put(expected_version=2) on a record at version 3",
+                 lambda: kv.put(s.a, "inbox", "k", {"x": 1}, expected_version=2), stored),
+                ("put(expected_version=4) on a record at version 3",
+                 lambda: kv.put(s.a, "inbox", "k", {"x": 1}, expected_version=4), stored),
+                ("delete(expected_version=1) of a record at version 3",
+                 lambda: kv.delete(s.a, "inbox", "k", expected_version=1), stored),
+                ("put(expected_version=2) of an absent record",
+                 lambda: kv.put(s.a, "inbox", "absent", {"x": 1}, expected_version=2), None),
+                ("delete(expected_version=1) of an absent record",
+                 lambda: kv.delete(s.a, "inbox", "absent", expected_version=1), None),
+            ]
+            for what, attempt, record in attempts:
+                try:
+                    await attempt()
+                except VersionConflict as exc:
+                    conflict = exc
+                else:
+                    raise AssertionError(f"BACK-7: {what} must raise VersionConflict")
+                version = 0 if record is None else record.version
+                found = getattr(conflict, "found", None)
+                assert found is None or found == version, (
+                    f"BACK-7: the VersionConflict of {what} must give found={version} (the version found, 0: "
+                    f"absent); got found={found!r}"
+                )
+                current = getattr(conflict, "current", None)
+                assert current is None or current == record, (
+                    f"BACK-7: the VersionConflict of {what} gives current={current!r}, but the record found "
+                    f"is {record!r} (current must be exactly what get() returns)"
+                )
+                if current is not None:
+                    current.value["nested"]["a"].append("mutated")
+                    again = await kv.get(s.a, "inbox", "k")
+                    assert again == record, (
+                        "BACK-7: the current record of a VersionConflict must be the caller's own copy; "
+                        f"mutating it changed the stored record to {again!r}"
+                    )
+
+        self.run_kv(kv_factory, body)

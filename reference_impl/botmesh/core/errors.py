@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .spi_types import Versioned
+
 
 class BotmeshError(Exception):
     """Root of every error raised by botmesh.
@@ -76,14 +78,45 @@ class BackendUnavailableError(DurabilityError):
 
 class VersionConflict(DurabilityError):
     """A compare-and-set of :class:`botmesh.core.spi.DurableKv` found another version
-    than the one expected (or a record where none was expected)."""
+    than the one expected (or a record where none was expected).
+
+    ``key``, ``expected`` and ``found`` (the version found, 0: absent) are set by
+    :meth:`at`, which every built-in kv uses.
+    ``current`` is optional (issue 16): the record the kv found — its value and version,
+    read in the same server round trip as the failed compare-and-set — when the kv
+    reports it; ``None`` when the record was absent (``found == 0``) or the kv does not
+    report it. With ``current`` a caller can retry against ``current.version`` without
+    reading the record again. It is the caller's own copy (mutating it changes nothing
+    stored), and ``current.version == found``.
+    """
 
     code = "KV_CONFLICT"
+    key: str  # annotations only: BotmeshError sets them from the details given to at()
+    expected: int
+    found: int
+    current: Versioned | None = None
 
     @classmethod
-    def at(cls, space: str, key: str, expected: int, found: int) -> VersionConflict:
-        """The conflict every DurableKv raises: ``space/key: expected version E, found F``."""
-        return cls(f"{space}/{key}: expected version {expected}, found {found}", key=key, expected=expected, found=found)
+    def at(
+        cls, space: str, key: str, expected: int, found: int, current: Versioned | None = None
+    ) -> VersionConflict:
+        """The conflict every DurableKv raises: ``space/key: expected version E, found F``;
+        ``current`` (optional) is the record found (``ValueError`` when its version is not
+        ``found``: a kv bug)."""
+        error = cls(f"{space}/{key}: expected version {expected}, found {found}", key=key, expected=expected, found=found)
+        if current is not None:
+            if current.version != found:
+                raise ValueError(f"{space}/{key}: VersionConflict found {found} but current is at {current.version}")
+            error.current = current
+        return error
+
+
+class KvContractError(DurabilityError):
+    """A :class:`~botmesh.core.spi.DurableKv` answered against its contract in a way that
+    would make its caller loop forever (``scan(after=k)`` listing ``k`` again, or a key
+    before it). ``method`` names the kv method, ``key`` the key at fault."""
+
+    code = "KV_CONTRACT"
 
 
 class JournalCorruptError(DurabilityError):

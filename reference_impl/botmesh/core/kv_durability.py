@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .backend import DurabilityBackend
-from .errors import BackendUnavailableError, DurabilityError, VersionConflict
+from .errors import BackendUnavailableError, DurabilityError, KvContractError, VersionConflict
 from .records import InboxRecord, OutboxRecord
 from .spi import DurableKv, check_json_object
 
@@ -160,6 +160,13 @@ class KvDurability(DurabilityBackend):
             page = await self.kv.scan(scope, space, after=after, limit=200)
             if not page:
                 break
+            if after is not None and page[0][0] <= after:
+                # an inclusive (or unordered) scan would page over the same keys forever
+                raise KvContractError(
+                    f"{type(self.kv).__name__}.scan(scope={scope!r}, space={space!r}, after={after!r}) returned key "
+                    f"{page[0][0]!r}, which is not after {after!r}: scan(after=k) must list only keys greater than k, "
+                    "in code-point order (BACK-7); a scan that does not advance makes paging loop forever",
+                    method="scan", key=page[0][0], after=after)
             for _, found in page:
                 rec = cls.from_json(found.value)
                 if state is None or rec.state == state:

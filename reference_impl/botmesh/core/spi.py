@@ -144,12 +144,16 @@ class DurableKv(ABC):
         current version is another or the record is absent. On success the index entries
         become exactly ``due`` / ``expires`` (``None``: no entry) and the new version
         (``expected_version + 1``) is returned. On failure nothing changes and
-        ``VersionConflict`` is raised."""
+        ``VersionConflict`` is raised; its ``found`` is the version found (0: absent)
+        and a kv may also give ``current``, the record found, when it learns it in the
+        same server round trip (optional: ``None`` means "not reported" unless
+        ``found == 0``; see :class:`~botmesh.core.errors.VersionConflict`)."""
 
     @abstractmethod
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` and its index entries.
-        Raises ``VersionConflict`` when absent or at another version."""
+        Raises ``VersionConflict`` when absent or at another version (with ``found`` and
+        optionally ``current``, as :meth:`put`)."""
 
     @abstractmethod
     async def range(

@@ -59,8 +59,16 @@ of clients on any number of hosts:
   exactly one of concurrent writers with the same ``expected_version`` through;
 * delete: ``DELETE ... WHERE ... AND version = %s``.
 
-No row changed means a conflict; the current version is then read (a second statement,
-only for the message of :class:`~botmesh.core.errors.VersionConflict`). Connections are
+Each of them is the data-modifying part of ONE statement (one round trip, issue 16),
+``WITH w AS (<insert/update/delete> RETURNING version) SELECT ... FROM w UNION ALL
+SELECT version, value FROM <table> WHERE <the key> AND NOT EXISTS (SELECT FROM w)``: it
+returns the new version when it wrote, and otherwise the record as the statement's
+snapshot saw it, which :class:`~botmesh.core.errors.VersionConflict` carries as ``found``
+and ``current`` so that the caller need not read it again. That snapshot is taken when
+the statement starts; a conflict it cannot explain — it shows the expected version (a
+concurrent writer committed after it, and READ COMMITTED's re-check of the newest row
+version failed), or no row for a failed create (a concurrent insert) — is the one case
+where a second statement reads the record. Connections are
 expected in READ COMMITTED (PostgreSQL's default); a stricter isolation level makes some
 concurrent writes fail with a serialization error, raised as ``BackendUnavailableError``.
 
@@ -158,6 +166,7 @@ from ._config import (
     check_timeout,
 )
 from ._settings import show_settings
+from ._statements import Statements as _Statements
 
 __all__ = ["PostgresKv"]
 
@@ -252,47 +261,6 @@ async def _finish_abandoned() -> None:
     pending = [t for t in _ABANDONED if t.get_loop() is loop and not t.done()]
     if pending:
         await asyncio.gather(*pending, return_exceptions=True)
-
-
-class _Statements:
-    """The SQL of one kv, composed once with :mod:`psycopg.sql` for the qualified table and
-    rendered to strings (the same string each call, so psycopg prepares it server-side
-    after a few uses)."""
-
-    def __init__(self, table: sql.Identifier, context: Conn) -> None:
-        def render(template: str, **names: sql.Composable) -> str:
-            return sql.SQL(template).format(table=table, **names).as_string(context)
-
-        where = "scope = %s AND space = %s AND key = %s"
-        self.get = render(f"SELECT value::text, version FROM {{table}} WHERE {where}")
-        self.version = render(f"SELECT version FROM {{table}} WHERE {where}")
-        self.insert = render(
-            "INSERT INTO {table} (scope, space, key, value, version, due, expires)"
-            " VALUES (%s, %s, %s, %s::json, 1, %s, %s)"
-            " ON CONFLICT (scope, space, key) DO NOTHING"
-        )
-        self.update = render(
-            "UPDATE {table} SET value = %s::json, version = version + 1, due = %s, expires = %s"
-            f" WHERE {where} AND version = %s"
-        )
-        self.delete = render(f"DELETE FROM {{table}} WHERE {where} AND version = %s")
-        self.range: dict[tuple[str, bool], str] = {}
-        for column in ("due", "expires"):
-            for limited in (False, True):
-                self.range[column, limited] = render(
-                    "SELECT {column}, key FROM {table} WHERE scope = %s AND space = %s AND {column} <= %s"
-                    " ORDER BY {column}, key" + (" LIMIT %s" if limited else ""),
-                    column=sql.Identifier(column),
-                )
-        self.scan: dict[tuple[bool, bool], str] = {}
-        for after in (False, True):
-            for limited in (False, True):
-                self.scan[after, limited] = render(
-                    "SELECT key, value::text, version FROM {table} WHERE scope = %s AND space = %s"
-                    + (" AND key > %s" if after else "")
-                    + " ORDER BY key"
-                    + (" LIMIT %s" if limited else "")
-                )
 
 
 class PostgresKv(DurableKv):
@@ -514,37 +482,35 @@ class PostgresKv(DurableKv):
         text = value_text(value)
         s = self._statements("put")
 
-        async def work(conn: Conn) -> int | None:
+        async def work(conn: Conn) -> tuple[int, Versioned | None] | None:
             if expected_version == 0:
-                cursor = await conn.execute(s.insert, (scope, space, key, text, due_score, expires_score))
+                cursor = await conn.execute(
+                    s.insert, (scope, space, key, text, due_score, expires_score, scope, space, key)
+                )
             else:
                 cursor = await conn.execute(
-                    s.update, (text, due_score, expires_score, scope, space, key, expected_version)
+                    s.update, (text, due_score, expires_score, scope, space, key, expected_version, scope, space, key)
                 )
-            if cursor.rowcount == 1:
-                return None
-            return await self._version_of(conn, s, scope, space, key)
+            return await self._conflict(conn, s, await cursor.fetchone(), scope, space, key, expected_version)
 
-        found = await self._run("put", work)
-        if found is not None:
-            raise VersionConflict.at(space, key, expected_version, found)
+        conflict = await self._run("put", work)
+        if conflict is not None:
+            raise VersionConflict.at(space, key, expected_version, *conflict)
         return expected_version + 1
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` (``DELETE ... WHERE version =
-        %s``); ``VersionConflict`` when absent or at another version."""
+        %s``, one statement); ``VersionConflict`` when absent or at another version."""
         check_delete(scope, space, key, expected_version)
         s = self._statements("delete")
 
-        async def work(conn: Conn) -> int | None:
-            cursor = await conn.execute(s.delete, (scope, space, key, expected_version))
-            if cursor.rowcount == 1:
-                return None
-            return await self._version_of(conn, s, scope, space, key)
+        async def work(conn: Conn) -> tuple[int, Versioned | None] | None:
+            cursor = await conn.execute(s.delete, (scope, space, key, expected_version, scope, space, key))
+            return await self._conflict(conn, s, await cursor.fetchone(), scope, space, key, expected_version)
 
-        found = await self._run("delete", work)
-        if found is not None:
-            raise VersionConflict.at(space, key, expected_version, found)
+        conflict = await self._run("delete", work)
+        if conflict is not None:
+            raise VersionConflict.at(space, key, expected_version, *conflict)
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
@@ -783,7 +749,21 @@ class PostgresKv(DurableKv):
                     raise
 
     @staticmethod
-    async def _version_of(conn: Conn, s: _Statements, scope: str, space: str, key: str) -> int:
-        cursor = await conn.execute(s.version, (scope, space, key))
-        row = await cursor.fetchone()
-        return 0 if row is None else int(row[0])
+    async def _conflict(
+        conn: Conn, s: _Statements, row: Any, scope: str, space: str, key: str, expected: int
+    ) -> tuple[int, Versioned | None] | None:
+        """What a write statement's row says: ``None`` when it wrote, else ``(found,
+        current)`` for :class:`VersionConflict`. The record comes from the statement's
+        snapshot; only when that snapshot cannot explain the conflict — it shows the
+        expected version (a concurrent writer committed after the snapshot was taken and
+        the row re-check of READ COMMITTED failed), or no row for a failed create (a
+        concurrent insert) — is the record read again, in a second statement."""
+        if row is not None and row[1] is None:
+            return None
+        if row is None and expected != 0:
+            return 0, None
+        if row is not None and int(row[0]) != expected:
+            return int(row[0]), Versioned(json.loads(row[1]), int(row[0]))
+        cursor = await conn.execute(s.get, (scope, space, key))
+        again = await cursor.fetchone()
+        return (0, None) if again is None else (int(again[1]), Versioned(json.loads(again[0]), int(again[1])))

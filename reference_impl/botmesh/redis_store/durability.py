@@ -13,7 +13,9 @@
   live under ``<prefix>:{durable:inbox:<scope>}`` and ``<prefix>:{durable:outbox:<scope>}``
   (BACK-3) and nothing else is touched (no store keys);
 * driver errors are reported to ``logger.error`` and raised as
-  ``BackendUnavailableError``.
+  ``BackendUnavailableError``;
+* ``auto_pipeline`` (default True): concurrent journal calls (several chats at once) share
+  round trips as one pipeline (see :class:`~botmesh.redis_store.kv.RedisKv`).
 
 It is shared across processes and hosts (REPL-4): claims are compare-and-set scripts run
 inside the server, so they stay exclusive and fencing tokens hold everywhere the server
@@ -46,8 +48,9 @@ class RedisDurability(KvDurability):
         prefix: str = DEFAULT_PREFIX,
         logger: logging.Logger | None = None,
         name: str | None = "redis",
+        auto_pipeline: bool = True,
     ) -> None:
-        kv = RedisKv(client=client, url=url, cluster=cluster, prefix=prefix, logger=logger)
+        kv = RedisKv(client=client, url=url, cluster=cluster, prefix=prefix, logger=logger, auto_pipeline=auto_pipeline)
         super().__init__(kv, own_kv=True, name=name)
 
     @property

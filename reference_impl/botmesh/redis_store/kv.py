@@ -44,9 +44,9 @@ Every ``put`` and ``delete`` is ONE Lua script run with ``EVALSHA`` (redis-py's
 ``register_script``): it reads the current version, compares it with
 ``expected_version`` and — only when they match — writes the record and both index
 entries, all inside the server. Concurrent CAS calls on one key therefore have exactly
-one winner, across processes and hosts (REPL-1). ``scan`` is a read-only script as well
-(keys and values from one snapshot); ``get`` is one ``HGET`` and ``range`` one
-``ZRANGEBYSCORE``.
+one winner, across processes and hosts (REPL-1); a conflict returns the record found.
+``scan`` is a read-only script too; ``get`` is one ``HGET``, ``range`` one ``ZRANGEBYSCORE``.
+Concurrent calls share round trips (auto-pipelining, :mod:`botmesh.redis_store._pipeline`).
 
 No automatic retry of a write
 -----------------------------
@@ -127,6 +127,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from ._pipeline import AutoPipeline
 
 __all__ = [
     "ClusterSpec",
@@ -178,11 +179,15 @@ end
 """
 
 # ARGV: 1 key, 2 expected version, 3 value JSON, 4 due score or "", 5 expires score or "".
-# Returns {1, new version} or {0, current version} (nothing changed).
+# Returns {1, new version} or {0, current version, current record text if it exists}.
 _PUT_LUA = _VERSION_OF + """
-local current = version_of(redis.call('HGET', KEYS[1], ARGV[1]))
+local text = redis.call('HGET', KEYS[1], ARGV[1])
+local current = version_of(text)
 if type(current) == 'table' then return current end
-if current ~= tonumber(ARGV[2]) then return {0, current} end
+if current ~= tonumber(ARGV[2]) then
+  if text then return {0, current, text} end
+  return {0, current}
+end
 local new = current + 1
 redis.call('HSET', KEYS[1], ARGV[1], '{"version":' .. string.format('%d', new) .. ',"value":' .. ARGV[3] .. '}')
 if ARGV[4] == '' then redis.call('ZREM', KEYS[2], ARGV[1]) else redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1]) end
@@ -191,11 +196,13 @@ redis.call('ZADD', KEYS[4], 0, ARGV[1])
 return {1, new}
 """
 
-# ARGV: 1 key, 2 expected version. Returns {1, version} or {0, current version (0: absent)}.
+# ARGV: 1 key, 2 expected version. Returns {1, version} or as _PUT_LUA (0: absent).
 _DELETE_LUA = _VERSION_OF + """
-local current = version_of(redis.call('HGET', KEYS[1], ARGV[1]))
+local text = redis.call('HGET', KEYS[1], ARGV[1])
+local current = version_of(text)
 if type(current) == 'table' then return current end
-if current == 0 or current ~= tonumber(ARGV[2]) then return {0, current} end
+if current == 0 then return {0, 0} end
+if current ~= tonumber(ARGV[2]) then return {0, current, text} end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
@@ -413,6 +420,10 @@ class RedisKv(DurableKv):
 
     ``prefix`` — see :func:`check_prefix`. ``logger`` — where driver errors are
     reported (``logger.error``); default ``logging.getLogger("botmesh.redis_store")``.
+    ``auto_pipeline`` (default True) — on a standalone server, ``get``/``put``/``delete``
+    calls made while others are in flight go out together as one pipeline (one round
+    trip; see :mod:`botmesh.redis_store._pipeline`); False: one connection and one round
+    trip per call. A ``RedisCluster`` never pipelines.
     """
 
     capabilities = Capabilities(survives_crash=True, multi_process=True, multi_host=True, shared=True)
@@ -425,7 +436,12 @@ class RedisKv(DurableKv):
         cluster: ClusterSpec | None = None,
         prefix: str = DEFAULT_PREFIX,
         logger: logging.Logger | None = None,
+        auto_pipeline: bool = True,
     ) -> None:
+        if not isinstance(auto_pipeline, bool):
+            raise ConfigError(
+                f"auto_pipeline: expected True or False, got {auto_pipeline!r}", option="auto_pipeline", value=auto_pipeline
+            )
         given = [name for name, value in (("client", client), ("url", url), ("cluster", cluster)) if value is not None]
         if len(given) != 1:
             raise ConfigError(
@@ -459,6 +475,7 @@ class RedisKv(DurableKv):
                 )
         self._client: RedisClient | None = client if client is not None else self._new_client()
         self._scripts = self._register(self._client)
+        self._pipeline = AutoPipeline(lambda: cast(Redis, self._live_client()), self._script_source) if auto_pipeline else None
         self._state = _NEW
         self._ready_cluster: RedisCluster | None = None
         self._cluster_lock = asyncio.Lock()
@@ -550,6 +567,28 @@ class RedisKv(DurableKv):
         except Exception:  # noqa: BLE001, S110 - a dead process's sockets just vanish
             pass
 
+    def _script_source(self, sha: bytes | str) -> str | None:
+        for script in self._scripts.values():
+            if script.sha == _s(sha):
+                return cast(str, script.script)
+        return None
+
+    def _command(self, *command: Any) -> Callable[[RedisClient, dict[str, Any]], Awaitable[Any]]:
+        """What :meth:`_call` runs for one command: auto-pipelined on a standalone client,
+        else directly (``EVALSHA`` by script name: redis-py's ``Script``)."""
+
+        def run(client: RedisClient, scripts: dict[str, Any]) -> Awaitable[Any]:
+            if command[0] == "EVALSHA":
+                script, keys, args = scripts[command[1]], command[2], command[3]
+                if self._pipeline is not None and isinstance(client, Redis):
+                    return self._pipeline.call("EVALSHA", script.sha, len(keys), *keys, *args)
+                return cast(Awaitable[Any], script(keys=keys, args=args))
+            if self._pipeline is not None and isinstance(client, Redis):
+                return self._pipeline.call(*command)
+            return cast(Awaitable[Any], client.execute_command(*command))
+
+        return run
+
     def _live_client(self) -> RedisClient:
         if self._state == _CLOSED or self._client is None:
             state = "not open yet (call open() first)" if self._state == _NEW else "closed"
@@ -631,7 +670,7 @@ class RedisKv(DurableKv):
         ``HGET``)."""
         check_record(scope, space, key)
         keys = self.keys_of(scope, space)
-        raw = await self._call("get", lambda c, _: c.hget(keys["records"], _b(key)))
+        raw = await self._call("get", self._command("HGET", keys["records"], _b(key)))
         return None if raw is None else _decode_record(raw, keys["records"], key)
 
     async def put(
@@ -652,13 +691,12 @@ class RedisKv(DurableKv):
         keys = self.keys_of(scope, space)
         args = [_b(key), str(int(expected_version)).encode(), text.encode("ascii"), _float_arg("due", due),
                 _float_arg("expires", expires)]
-        ok, version = await self._call(
-            "put",
-            lambda c, s: s["put"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
+        reply = await self._call(
+            "put", self._command("EVALSHA", "put", [keys["records"], keys["due"], keys["expires"], keys["keys"]], args)
         )
-        if not ok:
-            raise VersionConflict.at(space, key, expected_version, int(version))
-        return int(version)
+        if not reply[0]:
+            raise _conflict(reply, keys["records"], space, key, expected_version)
+        return int(reply[1])
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
         """Remove the record at version ``expected_version`` and its index entries, in
@@ -666,12 +704,12 @@ class RedisKv(DurableKv):
         check_delete(scope, space, key, expected_version)
         keys = self.keys_of(scope, space)
         args = [_b(key), str(int(expected_version)).encode()]
-        ok, version = await self._call(
+        reply = await self._call(
             "delete",
-            lambda c, s: s["delete"](keys=[keys["records"], keys["due"], keys["expires"], keys["keys"]], args=args),
+            self._command("EVALSHA", "delete", [keys["records"], keys["due"], keys["expires"], keys["keys"]], args),
         )
-        if not ok:
-            raise VersionConflict.at(space, key, expected_version, int(version))
+        if not reply[0]:
+            raise _conflict(reply, keys["records"], space, key, expected_version)
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
@@ -707,6 +745,20 @@ class RedisKv(DurableKv):
         flat = await self._call("scan", lambda c, s: s["scan"](keys=[keys["records"], keys["keys"]], args=args))
         result = [(_s(flat[i]), _decode_record(flat[i + 1], keys["records"], _s(flat[i]))) for i in range(0, len(flat), 2)]
         return result if exact else result[:limit]
+
+
+def _conflict(reply: list[Any], records: bytes, space: str, key: str, expected: int) -> VersionConflict:
+    """The ``VersionConflict`` of a write script's ``{0, version[, record]}`` reply."""
+    found = int(reply[1])
+    current: Versioned | None = None
+    if len(reply) > 2:
+        try:
+            current = _decode_record(reply[2], records, key)
+        except JournalCorruptError:  # a write reports the conflict; a get reports the damage
+            current = None
+        if current is not None and current.version != found:
+            current = None
+    return VersionConflict.at(space, key, expected, found, current)
 
 
 def _close_sockets_now(client: RedisClient) -> None:

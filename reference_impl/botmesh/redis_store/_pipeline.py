@@ -1,0 +1,141 @@
+"""Auto-pipelining for :class:`~botmesh.redis_store.RedisKv` (issue 16): commands that
+concurrent callers issue while the kv waits for the server go out together, as ONE
+pipeline (one write, one round trip), instead of one connection and one round trip each.
+
+How: a call made while nothing is in flight is sent at once, on its own (a lone caller
+— one chat — costs what it cost before: one command, one round trip, no extra task). A
+call made while a round trip is in flight joins a queue; when the round trip ends, a
+flusher task sends everything queued as one non-transactional pipeline, hands each
+caller its reply (or its own error), and repeats while more calls queued meanwhile. So
+with several chats at once, their independent commands share round trips. Each command
+is still one ``EVALSHA`` / ``HGET`` executed atomically by the server on its own:
+batching changes how many round trips carry them, never what one does (no ``MULTI``;
+one command's error is its caller's alone).
+
+Errors: a connection lost while a batch is in flight fails every command of that batch
+with that error — each of them may or may not have run, exactly the "outcome unknown" of
+a single command, which :class:`~botmesh.core.kv_durability.KvDurability` resolves by
+reading the record back. A ``NOSCRIPT`` reply (the server lost its script cache, e.g.
+after a restart) means that command did not run: the scripts are loaded again and those
+commands sent once more — the only resend, as with redis-py's own ``Script`` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+__all__ = ["AutoPipeline"]
+
+_Entry = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
+
+
+class AutoPipeline:
+    """The queue and flusher of one kv. ``client()`` gives the live client (it raises
+    when the kv is closed: every queued caller then gets that error); ``script(sha)``
+    gives the source of a script by its SHA1 (for a reload after ``NOSCRIPT``)."""
+
+    def __init__(self, client: Callable[[], Redis], script: Callable[[bytes | str], str | None]) -> None:
+        self._client = client
+        self._script = script
+        self._queue: list[_Entry] = []
+        self._busy = False  # a round trip is in flight (a lone call, or a flusher's batch)
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def call(self, *command: Any) -> Any:
+        """Send ``command`` (``execute_command`` arguments): at once when nothing is in
+        flight, else with the next batch. Its reply, or its error (a driver error, as
+        redis-py raises it)."""
+        if self._busy:
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._queue.append((command, future))
+            return await future
+        self._busy = True
+        try:
+            client = self._client()
+            send = cast(Callable[..., Awaitable[Any]], client.execute_command)  # untyped in redis-py
+            try:
+                return await send(*command)
+            except NoScriptError:  # it did not run: load the script, send it again
+                source = self._script(command[1]) if command[0] == "EVALSHA" else None
+                if source is None:
+                    raise
+                await client.script_load(source)
+                return await send(*command)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """The round trip in flight ended: send what queued meanwhile, or go idle."""
+        if self._queue:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        else:
+            self._busy = False
+
+    async def _flush(self) -> None:
+        try:
+            await self._flush_queue()
+        finally:
+            self._busy = False
+            if self._queue:  # queued after the last batch's round trip, as the flusher ended
+                self._busy = True
+                self._release()
+
+    async def _flush_queue(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            batch = [(command, future) for command, future in batch if not future.done()]  # cancelled callers
+            if not batch:
+                continue
+            try:
+                client = self._client()
+                pipe = client.pipeline(transaction=False)
+                for command, _ in batch:
+                    pipe.execute_command(*command)
+                results = await pipe.execute(raise_on_error=False)
+            except asyncio.CancelledError:
+                for _, future in batch:
+                    future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - each caller gets it and translates it
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            again: list[_Entry] = []
+            for (command, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, NoScriptError):
+                    again.append((command, future))
+                elif isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+            if again:
+                await self._reload(again)
+
+    async def _reload(self, entries: list[_Entry]) -> None:
+        """Load the scripts that ``NOSCRIPT`` named and queue those commands again (they
+        did not run); a script unknown here, or a failed load, fails them."""
+        try:
+            client = self._client()
+            for sha in {command[1] for command, _ in entries}:
+                source = self._script(sha)
+                if source is None:
+                    raise NoScriptError(f"NOSCRIPT: no script with SHA1 {sha!r} is known to this kv")
+                await client.script_load(source)
+        except asyncio.CancelledError:
+            for _, future in entries:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - each caller gets it and translates it
+            for _, future in entries:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        self._queue[:0] = entries
