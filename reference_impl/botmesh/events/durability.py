@@ -84,6 +84,13 @@ class EventJournalKv(DurableKv):
         if self._open_args is not None and self.journal is not None:
             await self.journal.close()
 
+    def abandon(self) -> None:
+        """TEST ONLY: drop the journal it opened as a dead process would (its
+        ``abandon``); later calls raise ``BackendUnavailableError``."""
+        self._closed = True
+        if self._open_args is not None and self.journal is not None:
+            self.journal.abandon()
+
     async def durability_settings(self) -> dict[str, str]:
         j = self._journal()
         return {"kind": "file", "fsync": str(j.fsync), "append_log": str(j.append_log)}
