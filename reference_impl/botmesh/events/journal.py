@@ -383,9 +383,13 @@ class _Journal(LeasedEventJournal):
                 self._file.commit(txn.changes)
                 self._after_write()
         except Exception as exc:
+            failure: Exception = exc
+            if isinstance(exc, OSError):  # the mutex file's own I/O: a driver error like any other
+                failure = BackendUnavailableError(f"{self.path}: {exc}", file=self.path)
+                failure.__cause__ = exc
             for _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(exc)
+                    fut.set_exception(failure)
             return
         finally:
             self._release()
@@ -706,6 +710,9 @@ class SharedFileEventJournal(_Journal):
                 journal._generation = journal._held_generation
             finally:
                 journal._release()
+        except OSError as exc:
+            journal._close_extra()
+            raise BackendUnavailableError(f"{journal.path}: cannot open: {exc}", file=journal.path) from exc
         except BaseException:
             journal._close_extra()
             raise
