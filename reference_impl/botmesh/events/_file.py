@@ -35,8 +35,9 @@ class JournalFile(FileKv):
     def __init__(self, path: str | os.PathLike[str], *, lock: bool, shared: bool, append_log: bool,
                  compact_every: int | None, compact_bytes: int | None, fsync: bool | None,
                  io: FileIO | None) -> None:
-        super().__init__(path, append_log=append_log, compact_every=compact_every, compact_bytes=compact_bytes,
-                         fsync=fsync, io=io)
+        # FileKv turns the log on when given a compaction option: pass them only with it.
+        super().__init__(path, append_log=append_log, compact_every=compact_every if append_log else None,
+                         compact_bytes=compact_bytes if append_log else None, fsync=fsync, io=io)
         self._locking = lock and not shared
         self._shared = shared
         self.writes = 0

@@ -383,13 +383,13 @@ class _Journal(LeasedEventJournal):
                 self._file.commit(txn.changes)
                 self._after_write()
         except Exception as exc:
-            failure: Exception = exc
+            problem: Exception = exc
             if isinstance(exc, OSError):  # the mutex file's own I/O: a driver error like any other
-                failure = BackendUnavailableError(f"{self.path}: {exc}", file=self.path)
-                failure.__cause__ = exc
+                problem = BackendUnavailableError(f"{self.path}: {exc}", file=self.path)
+                problem.__cause__ = exc
             for _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(failure)
+                    fut.set_exception(problem)
             return
         finally:
             self._release()
