@@ -62,12 +62,14 @@ def backend_spec(name: str, tmp: Any) -> tuple[Any, ...]:
         return ("sqlite", str(tmp / "bot.db"))
     if name == "file+log":
         return ("file", str(tmp / "journal.json"), True)
+    if name.startswith("events"):  # botmesh.events on a journal in tmp (botmesh_testkit.backends.events)
+        return ("factory", "botmesh_testkit.backends.events:child_backend", str(tmp), name)
     return ("file", str(tmp / "journal.json"), False)
 
 
 # -- servers for the shared backends (PostgreSQL, Redis) --------------------------------------
 SERVERS = ("postgres", "redis")
-SHARED = ("sqlite", *SERVERS)
+SHARED = ("sqlite", "events-shared", "events-shared+log", *SERVERS)
 """The backends several processes share (REPL-4)."""
 
 
