@@ -39,14 +39,12 @@ async def _open_journal(path: str, name: str, io: FileIO | None = None) -> Any:
 
 
 async def child_backend(workdir: str, name: str) -> Any:
-    """The backend of ``name`` on the journal in ``workdir``, for a child process
-    (``botmesh_testkit.kill.Built``: the backend, a MemoryStore, the journal's close)."""
+    """The backend of ``name`` on the journal in ``workdir``, for a child process (an
+    ``EventsDurability``: the child's ``build_backend`` gives it a MemoryStore and calls
+    its ``close()``, which closes the journal)."""
     from botmesh.events import events_durability
 
-    from ..kill.spec import Built
-
-    journal = await _open_journal(os.path.join(workdir, JOURNAL_FILE), name)
-    return Built(events_durability(journal=journal), MemoryStore(), journal.close)
+    return events_durability(journal=await _open_journal(os.path.join(workdir, JOURNAL_FILE), name))
 
 
 class EventsHarness(BackendHarness):

@@ -11,7 +11,8 @@ backend (EVENTS-1 to EVENTS-6, REPL-4).
 """
 
 from .durability import EventJournalKv, EventsDurability, events_durability
-from .journal import FileEventJournal, SharedFileEventJournal
+from .journal import FileEventJournal
+from .shared import SharedFileEventJournal
 from .records import (
     ANY_CHANNEL,
     BOT_CHANNEL,

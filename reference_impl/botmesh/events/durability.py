@@ -31,7 +31,8 @@ from botmesh.core.inputs import check_delete, check_put, check_range, check_reco
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
-from .journal import FileEventJournal, SharedFileEventJournal, Txn, _Journal
+from .journal import FileEventJournal, Txn, _Journal
+from .shared import SharedFileEventJournal
 
 __all__ = ["EventJournalKv", "EventsDurability", "events_durability"]
 
