@@ -274,6 +274,19 @@ def _check_options(append_log: Any, compact_every: Any, compact_bytes: Any, fsyn
             raise ConfigError(f"{option} must be a positive int, got {given!r}", option=option)
 
 
+def _raw_claimable(value: dict[str, Any], now: float) -> bool:
+    """:meth:`EventRecord.claimable` on a stored record, without decoding it."""
+    state, available = value.get("state"), value.get("available_at")
+    if state in ("pending", "replay"):
+        return available is None or available <= now
+    if state == "failed":
+        return available is not None and available <= now
+    if state == "leased":
+        lease = value.get("lease")
+        return lease is None or lease.get("expires_at", 0.0) <= now
+    return False
+
+
 def replayed_inbox_value(value: dict[str, Any], now: float) -> dict[str, Any] | None:
     """A bot's inbox record put back to be processed (what ``replay_inbound`` does):
     ``None`` while it is leased."""
@@ -510,9 +523,16 @@ class _Journal(LeasedEventJournal):
         at = _check_now(now)
 
         def op(txn: Txn) -> EventRecord | None:
-            for rec, entry in txn.events():
-                # channel None takes only records without a channel (EVENTS-1)
-                if rec.channel == channel and rec.claimable(at):
+            # channel None takes only records without a channel (EVENTS-1); the bot's
+            # records (channel BOT_CHANNEL, never asked for here) are not even looked at.
+            # Filtered on the stored JSON first: only the oldest claimable is decoded.
+            oldest = min(
+                ((value.get("created_at", 0.0), key, entry) for key, entry in txn.items(EVENTS_SCOPE, EVENTS_SPACE)
+                 if (value := entry[0]).get("channel") == channel and _raw_claimable(value, at)),
+                key=lambda c: (c[0], c[1]), default=None)
+            for _, _, entry in [] if oldest is None else [oldest]:
+                rec = EventRecord.from_json(copy.deepcopy(entry[0]))
+                if rec.claimable(at):
                     rec.token += 1
                     rec.attempts += 1
                     rec.state = "leased"
