@@ -78,7 +78,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from botmesh.core.errors import BackendUnavailableError, ConfigError
-from botmesh.core.file_format import Entry, Records, is_int
+from botmesh.core.file_format import Entry, Records, encode_value, is_int
 from botmesh.core.fileio import FileIO
 from botmesh.core.spi import check_json_object
 
@@ -444,6 +444,8 @@ class _Journal(LeasedEventJournal):
         stored = check_json_object({"payload": payload})["payload"]
         rec = EventRecord(id=id or uuid.uuid4().hex, channel=channel, event_type=event_type, payload=stored,
                           created_at=at, updated_at=at, available_at=when)
+        # Too deep for the file format: ValueError now, not for the whole flush later.
+        encode_value(rec.to_json(), f"event {rec.id}")
 
         def op(txn: Txn) -> EventRecord:
             if txn.event(rec.id) is not None:
