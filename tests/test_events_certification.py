@@ -28,15 +28,14 @@ def test_event_journal_backends_pass_the_full_certification(pytester: pytest.Pyt
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--botmesh-backend={backend}",
                                            "--botmesh-matrix=full", "--botmesh-seed=20261205", "-rs", timeout=2400)
     line = next((ln for ln in result.outlines if ln.startswith(f"{backend}: ")), "")
-    parts = dict(re.findall(r"(suite|scenarios|matrix|explore|kills|powercuts) (\d+ passed, \d+ failed(?:, \d+ skipped)?)",
-                            line))
+    parts = dict(re.findall(r"(\w+) (\d+ passed, \d+ failed(?:, \d+ skipped)?)", line))
     print("\n".join(result.outlines[-14:]))
     assert result.ret == 0, "\n".join(result.outlines[-60:])
-    assert set(parts) == PARTS, parts
+    assert PARTS <= set(parts), parts  # and any part a later release adds (it must pass too)
     assert all(re.fullmatch(r"\d+ passed, 0 failed(, \d+ skipped)?", v) for v in parts.values()), parts
     assert parts["kills"] == "2 passed, 0 failed"
-    assert parts["powercuts"] == "3 passed, 0 failed"  # a power-cut loop per policy, the I/O-error loop
-    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts)*"])
+    assert re.fullmatch(r"[3-9] passed, 0 failed", parts["powercuts"]), parts  # a loop per policy, the I/O-error loop ...
+    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts*)*"])
     skips = [ln for ln in result.outlines if ln.startswith("SKIPPED")]
     if backend == "events":  # one process: the only claim it does not make
         assert skips and all("capability not claimed: multi_process" in ln for ln in skips), skips
