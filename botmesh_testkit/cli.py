@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seed", type=int, help="seed of the random cells (printed on every run)")
     run.add_argument("--cell", help="run one cell only: BACKEND/WORKLOAD/POLICY/WHEN:POINT#N")
     run.add_argument("--parts", metavar="LIST",
-                     help="comma-separated parts: suite, scenarios, matrix, explore, kills, powercuts (default: all)")
+                     help="comma-separated parts: suite, scenarios, matrix, explore, kills, powercuts, corruption (default: all)")
     run.add_argument("--explore-examples", type=_count(0), metavar="N",
                      help="generated stories per backend in the explore part (default: the profile's explore_examples)")
     run.add_argument("--explore-seconds", type=_seconds, metavar="S",

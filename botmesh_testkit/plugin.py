@@ -27,7 +27,16 @@ test items beside the project's own tests (``--botmesh-parts`` picks some):
 * ``powercuts`` — the profile's power-cut loops (``power_cuts = N``): the kill loop with
   the backend's storage on a FUSE file system that loses every unsynced write, a power
   cut at every kill (:mod:`botmesh_testkit.kill.powercut`), for backends that claim
-  ``survives_crash`` and keep their storage in the workdir.
+  ``survives_crash`` and keep their storage in the workdir; the held-operation sweep
+  (``held_ops = N``, :mod:`botmesh_testkit.kill.held`: the bot killed while its n-th
+  write, truncate or rename waits; ``BACKEND/N-held-ops``); the I/O-error loop
+  (``io_errors``). Where nothing can be mounted (tried once) the part is one skip per
+  backend saying why, a usage error under ``--botmesh-require-powercuts``.
+* ``corruption`` — damaged files between two incarnations (``corruption_variants = N``):
+  N seeded truncations, bit flips, zeroed pages and swapped blocks of the backend's files,
+  each reopened, which must refuse it with the project's error or answer exactly what was
+  acknowledged (:mod:`botmesh_testkit.matrix.corruption`), for backends whose storage is
+  files in the workdir.
 
 A failing item prints the violated requirement ids, what happened and the command that
 reproduces it. The terminal summary lists, per backend, the requirement ids held and
@@ -281,6 +290,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         added += kill_items(session, config, live, state.seed)
     if "powercuts" in chosen and not only_cell:
         added += powercut_items(session, config, live, state.seed)
+    if "corruption" in chosen and not only_cell:
+        from .pytest.corruption import corruption_items
+
+        added += corruption_items(session, config, live, state.seed)
     for item in added:
         marker = item.get_closest_marker("spec")
         if marker is not None:

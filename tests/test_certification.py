@@ -25,7 +25,8 @@ def certify(pytester: pytest.Pytester, backend: str, profile: str, *extra: str) 
                                            f"--botmesh-matrix={profile}", "--botmesh-seed=20261202", "-rs", *extra,
                                            timeout=1500)
     line = next((ln for ln in result.outlines if ln.startswith(f"{backend}: ")), "")
-    parts = dict(re.findall(r"(suite|scenarios|matrix|explore|kills|powercuts) (\d+ passed, \d+ failed(?:, \d+ skipped)?)", line))
+    parts = dict(re.findall(r"(suite|scenarios|matrix|explore|kills|powercuts|corruption) "
+                            r"(\d+ passed, \d+ failed(?:, \d+ skipped)?)", line))
     print("\n".join(result.outlines[-12:]))
     return result, parts
 
@@ -36,11 +37,14 @@ def certify(pytester: pytest.Pytester, backend: str, profile: str, *extra: str) 
 def test_local_durable_backends_pass_the_full_certification(pytester: pytest.Pytester, backend: str) -> None:
     result, parts = certify(pytester, backend, "full")
     assert result.ret == 0, "\n".join(result.outlines[-60:])
-    assert set(parts) == {"suite", "scenarios", "matrix", "explore", "kills", "powercuts"}, parts
+    assert set(parts) == {"suite", "scenarios", "matrix", "explore", "kills", "powercuts", "corruption"}, parts
     assert all(" 0 failed" in v for v in parts.values()), parts
+    assert parts["corruption"] == "1 passed, 0 failed"
     assert parts["kills"] == "2 passed, 0 failed"
-    assert parts["powercuts"] == "3 passed, 0 failed"  # a power-cut loop per policy, the I/O-error loop
-    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts)*"])
+    # a power-cut loop per policy, the held-operation sweep, the I/O-error loop
+    assert parts["powercuts"] == "4 passed, 0 failed"
+    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts, "
+                                  "corruption)*"])
     # whatever is skipped is a capability the backend does not claim
     skips = [ln for ln in result.outlines if ln.startswith("SKIPPED")]
     assert all("capability not claimed: multi_process" in ln for ln in skips), skips
@@ -52,8 +56,9 @@ def test_local_durable_backends_pass_the_full_certification(pytester: pytest.Pyt
 def test_snapshot_file_backend_passes_the_smoke_certification(pytester: pytest.Pytester) -> None:
     result, parts = certify(pytester, "file", "smoke")
     assert result.ret == 0, "\n".join(result.outlines[-60:])
-    assert all(" 0 failed" in v for v in parts.values()) and "kills" in parts and "powercuts" in parts, parts
-    result.stdout.fnmatch_lines(["*verdict: certified at profile smoke (suite, scenarios, matrix, explore, kills, powercuts)*"])
+    assert all(" 0 failed" in v for v in parts.values()) and {"kills", "powercuts", "corruption"} <= set(parts), parts
+    result.stdout.fnmatch_lines(["*verdict: certified at profile smoke (suite, scenarios, matrix, explore, kills, powercuts, "
+                                  "corruption)*"])
 
 
 @pytest.mark.slow
@@ -67,4 +72,5 @@ def test_shared_backends_pass_the_full_certification_with_zero_skips(pytester: p
     assert parts["powercuts"] == "2 passed, 0 failed"  # a private server on the mount, per policy
     outcomes = result.parseoutcomes()
     assert outcomes.get("skipped", 0) == 0 and outcomes["passed"] > 600, outcomes
-    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts)*"])
+    result.stdout.fnmatch_lines(["*verdict: certified at profile full (suite, scenarios, matrix, explore, kills, powercuts; "
+                                  "corruption not applicable (its storage is not files in the workdir))*"])

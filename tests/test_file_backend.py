@@ -648,6 +648,42 @@ def test_half_written_last_line_is_trimmed(tmp_path: Path, tail: str, append_log
     run(main())
 
 
+def _holed(log: bytes, line: bytes, end_offset: int = 0) -> bytes:
+    """``log`` + ``line`` with the line's bytes zeroed from its start up to the first
+    512-byte boundary of the file inside it (moved by ``end_offset``): what a power cut
+    leaves of an append crossing a page boundary when only the later page was written."""
+    start = len(log)
+    boundary = (start // 512 + 1) * 512 + end_offset
+    assert start < boundary < start + len(line) - 1
+    data = log + line
+    return data[:start] + b"\x00" * (boundary - start) + data[boundary:]
+
+
+@pytest.mark.spec("BACK-5")
+@pytest.mark.parametrize("append_log", [True, False], ids=["append-log", "snapshot"])
+def test_a_final_line_with_a_power_cut_hole_is_trimmed(tmp_path: Path, append_log: bool) -> None:
+    """BACK-5: a final line that reached its newline, but whose start is zeros up to a
+    sector boundary (the power-cut file system's subset cut of a held fsync made this
+    of a real FileKv: the write split at the page boundary, only the later page kept),
+    was never fsynced, so never acknowledged: it is trimmed like a torn write."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    run(build_journal(path))
+    good_log = log.read_bytes()
+    log.write_bytes(_holed(good_log, put_line(4, "k4", 1, {"n": "x" * 1200})))
+
+    async def main() -> None:
+        kv = await opened(path, append_log=append_log)
+        assert [key for key, _ in await kv.scan(S, "inbox")] == ["base", "k1", "k2", "k3"]
+        if append_log:
+            assert log.read_bytes() == good_log
+        else:
+            assert not log.exists()
+        await kv.close()
+
+    run(main())
+
+
 def _replace_line(log: bytes, index: int, new: bytes | None) -> bytes:
     lines = log.splitlines(keepends=True)
     if new is None:
@@ -723,6 +759,13 @@ LOG_DAMAGE: dict[str, tuple[Callable[[bytes], bytes], int]] = {
     "unparseable-complete-last-line": (lambda log: log + b'{"seq":4,"op":"pu\n', 5),
     "unreadable-lines-then-a-torn-one": (lambda log: log + b"garbage\n\x00\x00\n{", 5),
     "complete-frame-then-garbage-without-newline": (lambda log: log + put_line(4, "k4", 1, {}).rstrip(b"\n") + b"xx", 5),
+    # a hole that does not end on a sector boundary is not what a power cut leaves
+    "nul-run-in-last-line-off-the-sector": (lambda log: _holed(log, put_line(4, "k4", 1, {"n": "x" * 1200}), -1), 5),
+    # a power-cut hole with an entry after it: that entry's fsync would have filled it
+    "sector-hole-then-an-entry": (
+        lambda log: _holed(log, put_line(4, "k4", 1, {"n": "x" * 1200})) + put_line(5, "k5", 1, {"n": 5}),
+        5,
+    ),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -195,6 +196,27 @@ def test_an_unknown_profile_key_is_refused_naming_the_known_ones(tmp_path: Path)
     bad.write_text('workload = ["one-send"]\n', encoding="utf-8")
     with pytest.raises(ProfileError, match=r"unknown key\(s\) \['workload'\]; known: description, workloads, "):
         load_profile(str(bad))
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("held_ops = -1", "held_ops must be an integer >= 0, got -1"),
+    ("held_ops = true", "held_ops must be an integer >= 0, got True"),
+    ("held_ops = 2.5", "held_ops must be an integer >= 0, got 2.5"),
+    ('held_ops = "24"', "held_ops must be an integer >= 0, got '24'"),
+])
+def test_a_bad_held_ops_is_refused_naming_the_file_and_the_value(tmp_path: Path, line: str, message: str) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'workloads = ["one-send"]\n{line}\n', encoding="utf-8")
+    with pytest.raises(ProfileError, match=re.escape(f"{bad}: {message}")):
+        load_profile(str(bad))
+
+
+def test_held_ops_is_read_from_the_profile_and_off_by_default(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('workloads = ["one-send"]\nheld_ops = 7\n', encoding="utf-8")
+    assert load_profile(str(good)).held_ops == 7
+    good.write_text('workloads = ["one-send"]\n', encoding="utf-8")
+    assert load_profile(str(good)).held_ops == 0
 
 
 def test_a_bad_cell_id_is_refused() -> None:

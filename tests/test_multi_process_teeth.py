@@ -39,6 +39,7 @@ from botmesh.core.file_kv import FileKv
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities
 from botmesh.sqlite_store import SQLiteKv
+from botmesh.sqlite_store._integrity import row_crc
 
 pytest_plugins = ["pytester"]
 
@@ -64,11 +65,13 @@ class CheckThenWriteKv(SQLiteKv):
         if found != expected_version:
             raise VersionConflict.at(space, key, expected_version, found)
         time.sleep(0.002)  # the planted window
+        text = json.dumps(value)
+        crc = row_crc(scope, space, key, text, expected_version + 1, due, expires)  # rows carry their checksum
         with self._lock:
             self._connection().execute(
-                "INSERT OR REPLACE INTO durable (scope, space, key, value, version, due, expires)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (scope, space, key, json.dumps(value), expected_version + 1, due, expires),
+                "INSERT OR REPLACE INTO durable (scope, space, key, value, version, due, expires, crc)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (scope, space, key, text, expected_version + 1, due, expires, crc),
             )
         return expected_version + 1
 
@@ -121,6 +124,7 @@ from botmesh.core.file_kv import FileKv
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities
 from botmesh.sqlite_store import SQLiteKv
+from botmesh.sqlite_store._integrity import row_crc
 '''
 
 _FACTORIES = '''

@@ -42,7 +42,8 @@ def test_matrix_runs_as_items_with_a_summary(pytester: pytest.Pytester) -> None:
     assert set(outcomes) == {"passed", "skipped"} and outcomes["skipped"] == 9, outcomes
     assert outcomes["passed"] > 300
     result.stdout.fnmatch_lines(["*capability not claimed: survives_crash*"])
-    result.stdout.fnmatch_lines(["*botmesh: backends memory; parts suite, scenarios, matrix, explore, kills, powercuts; "
+    result.stdout.fnmatch_lines(["*botmesh: backends memory; parts suite, scenarios, matrix, explore, kills, powercuts, "
+                                 "corruption; "
                                  "matrix smoke; seed 4*",
                                  "*botmesh durability report*",
                                  "memory: suite * passed, 0 failed, 9 skipped; scenarios * passed, 0 failed; "

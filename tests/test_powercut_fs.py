@@ -43,6 +43,7 @@ from botmesh_testkit.crash.fs import (
     unavailable_reason,
 )
 from botmesh_testkit.crash.fs import mount as mount_module
+from botmesh_testkit.kill.held import sweep_points
 
 REQUIRE = bool(os.environ.get("BOTMESH_REQUIRE_SERVICES"))
 CHILD_TIMEOUT = 120
@@ -671,6 +672,63 @@ def test_a_released_rename_runs_though_its_process_was_killed(mounter: Callable[
     assert (m.path / "data").read_bytes() == b"new"  # it ran, but its directory fsync never did
     m.cut()
     assert (m.path / "data").read_bytes() == b"old"
+
+
+REWRITE_CHILD = r"""
+import os, sys
+d = sys.argv[1]
+with open(os.path.join(d, "data"), "wb") as f:  # truncated by the open: not a held operation
+    f.write(b"new")                             # held here
+    f.flush(); os.fsync(f.fileno())
+print("rewritten", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_cancelled_held_write_never_lands_and_what_came_before_it_stays(
+        mounter: Callable[..., PowerCutMount]) -> None:
+    """The held-operation sweep's process death: the rewrite's truncate stays (the page
+    cache), its write never lands; a power cut afterwards brings the durable old
+    content back (the truncate was never fsynced)."""
+    m = mounter({"data": b"old"})
+    rule = m.hold("write|truncate|rename", "data*")
+    child = _child(REWRITE_CHILD, str(m.path))
+    held = m.wait_held()
+    assert (held.rule, held.op, held.path) == (rule, "write", "data")
+    child.kill()
+    assert m.cancel(rule) == 1
+    assert _reap(child) == -signal.SIGKILL
+    assert (m.path / "data").read_bytes() == b""
+    assert m.poll_held() is None and m.stats().rules == 0
+    m.cut()
+    assert (m.path / "data").read_bytes() == b"old"
+    _sound(m)
+
+
+def test_a_rule_over_several_operations_counts_them_together(pc: PowerCutMount) -> None:
+    (pc.path / "a").write_bytes(b"1")           # write #1
+    rule = pc.hold("write|rename", "*", nth=2)
+    child = _child(RENAME_CHILD, str(pc.path))  # a write (#1 counted from the rule), then a rename (#2)
+    held = pc.wait_held()
+    assert (held.rule, held.op, held.path) == (rule, "rename", "data.tmp")
+    assert pc.release(rule) == 1
+    _done(child)
+    _kill(child)
+    with pytest.raises(ValueError, match="unknown operation 'write[|]chmod'"):
+        pc.hold("write|chmod")
+
+
+@pytest.mark.parametrize(("operations", "points", "expected"), [
+    (5, 24, [1, 2, 3, 4, 5]),           # fewer operations than points: every one
+    (24, 24, list(range(1, 25))),
+    (305, 5, [1, 77, 153, 229, 305]),   # more: spread from the first to the last
+    (305, 1, [1]),
+    (0, 24, []),
+    (10, 0, []),
+])
+def test_the_sweep_holds_every_operation_or_spreads_them_from_first_to_last(
+        operations: int, points: int, expected: list[int]) -> None:
+    assert sweep_points(operations, points) == expected
 
 
 def _wait_exit(pid: int) -> None:

@@ -267,9 +267,11 @@ def test_a_backend_claiming_survives_crash_needs_its_kill_loops(pytester: pytest
     assert result.ret == 0, result.stdout.str()[-3000:]
     report = _load(pytester, "r.json")
     sqlite, memory = _backend(report, "sqlite"), _backend(report, "memory")
-    assert sqlite["verdict"] == "partial" and sqlite["missing_parts"] == ["kills", "powercuts"]
+    assert sqlite["verdict"] == "partial" and sqlite["missing_parts"] == ["kills", "powercuts", "corruption"]
     assert sqlite["verdict_reasons"] == ["kills did not run (profile 'nokills' has no kill loops (kills = 0))",
-                                         "powercuts did not run (profile 'nokills' has no power cuts (power_cuts = 0) "
-                                         "and no I/O-error loop)"]
+                                         "powercuts did not run (profile 'nokills' has no power cuts (power_cuts = 0), "
+                                         "no held-operation sweep (held_ops = 0) and no I/O-error loop)",
+                                         "corruption did not run (profile 'nokills' damages no files "
+                                         "(corruption_variants = 0))"]
     assert memory["verdict"] == "certified" and memory["required_parts"] == ["suite", "scenarios", "matrix", "explore"]
     assert report["verdict"] == "partial"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from botmesh.core.errors import BackendUnavailableError, ConfigError, VersionConflict
+from botmesh.core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from botmesh.core.records import InboxRecord
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.memory import MemoryKv
@@ -113,6 +113,7 @@ def test_opening_the_store_creates_store_tables_and_durable_together(db: Path) -
         "version": ("INTEGER", 0),
         "due": ("REAL", 0),
         "expires": ("REAL", 0),
+        "crc": ("INTEGER", 0),  # the row checksum of schema version 2 (issue 13)
     }
     assert due_index == ["scope", "space", "due", "key"]
     assert expires_index == ["scope", "space", "expires", "key"]
@@ -327,19 +328,21 @@ def test_store_reopens_lazily_after_close(db: Path) -> None:
     run(body)
 
 
-def test_store_on_a_file_that_is_not_a_database_is_unavailable_naming_it(db: Path) -> None:
-    """A driver error is a ``BackendUnavailableError`` naming the file."""
+def test_store_on_a_file_that_is_not_a_database_is_refused_as_damaged_naming_it(db: Path) -> None:
+    """A file SQLite finds is not a database (``SQLITE_NOTADB``) is refused as a damaged
+    journal: ``JournalCorruptError`` naming the file (issue 13: a damaged file is not an
+    unreachable one; before, ``BackendUnavailableError``)."""
     db.write_bytes(b"this is not an SQLite database, just some text" * 100)
 
     async def body() -> None:
         for obj in (SQLiteStore(db), SQLiteKv(db)):
-            with pytest.raises(BackendUnavailableError) as info:
+            with pytest.raises(JournalCorruptError) as info:
                 await obj.open()
             assert str(db) in str(info.value)
             assert info.value.details["file"] == str(db)
             assert not isinstance(info.value, sqlite3.Error)
         kv = SQLiteKv(db)
-        with pytest.raises(BackendUnavailableError):
+        with pytest.raises(JournalCorruptError):
             await kv.get("s", "inbox", "k")  # lazy open fails the same way
 
     run(body)

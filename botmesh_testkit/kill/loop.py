@@ -418,6 +418,12 @@ class KillLoop:
             self._say(f"kill {len(kills)}/{self.kills}: incarnation {inc.n} {mode} at {point}")
         kill_phase = time.monotonic() - kill_phase_start
         run.add_messages(self.messages[released:])
+        return self._conclude(run, spec, oracle, kills, notes, started, kill_phase, previous_kill, previous_info)
+
+    def _conclude(self, run: Run, spec: KillSpec, oracle: KillOracle | None, kills: list[KillInfo], notes: list[str],
+                  started: float, kill_phase: float, previous_kill: float | None,
+                  previous_info: KillInfo | None) -> KillResult:
+        """Let a last incarnation drain every message of ``run``, then judge the run."""
         inc, problem = self._settle(run, None, deadline=time.monotonic() + self.drain_timeout)
         if previous_info is not None and previous_kill is not None and inc is not None and run.incarnations:
             first = next((i for i in run.incarnations if i.started >= previous_kill), None)

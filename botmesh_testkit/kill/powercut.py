@@ -21,11 +21,13 @@ import asyncio
 import os
 import random
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..backends.base import FactorySpec, FileSpec, KillSpec, SQLiteSpec
 from ..backends.registry import resolve
-from ..crash.fs.mount import PowerCutError, PowerCutFS, PowerCutStats
+from ..crash.fs.mount import PowerCutError, PowerCutFS, PowerCutMount, PowerCutStats
 from .loop import KillLoop
 from .result import KillResult
 
@@ -79,38 +81,67 @@ def power_cut_loop(backend: str, *, cuts: int, messages: int, seed: int, policy:
     mounted and :class:`PowerCutHarnessError` when the file system fails."""
     fs = PowerCutFS(os.path.join(workdir, "fs"))
     with fs.mount() as mount:
-        storage = str(mount.path / "storage")
-        os.makedirs(storage, exist_ok=True)
-        mount.sync()  # the directory the harness is given exists for good: the testkit's, not the bot's
-        # the spec only: opening the backend here would write through the mount from this process
-        spec = resolve(backend)(storage).kill_spec()
-        if spec is None or not storage_on_workdir(spec, storage):
-            return f"backend {backend}: its storage is not under the workdir (a power cut of the mount would not reach it)"
-        rng = random.Random(f"{seed}/{backend}/{policy}/powercuts")
-        made: list[str] = []
-        dropped = [0]
+        with harness_faults(mount, "the power-cut loop ran"):
+            return _power_cut_loop(mount, backend, cuts=cuts, messages=messages, seed=seed, policy=policy,
+                                   workdir=workdir, start_method=start_method)
 
-        def cut(n: int) -> str:
-            mode = CUT_MODES[(n - 1) % len(CUT_MODES)]
-            try:
-                report = mount.cut(mode, seed=rng.randrange(2**31))
-            except PowerCutError as exc:
-                raise PowerCutHarnessError(f"the power-cut file system failed at cut {n}: {exc}") from exc
-            made.append(mode)
-            dropped[0] += report.dropped
-            return f"power cut ({mode}): {report.dropped} of {report.unsynced_ops} unsynced operation(s) lost"
 
-        loop = KillLoop(spec, kills=cuts, messages=messages, seed=seed, on_ambiguous=policy,
-                        workdir=os.path.join(workdir, "loop"), after_kill=cut, label="power-cut loop",
-                        start_method=start_method)
-        result = loop.run()
-        stats = mount.stats()
-        problems = [*stats.internal_errors, *stats.model_errors, *mount.check()]
-        if problems:
-            raise PowerCutHarnessError(f"the power-cut file system disagrees with itself: {problems[:5]}")
-        if not stats.ops.get("write"):
-            return (f"backend {backend}: nothing was written under the workdir during the loop; its storage is "
-                    "elsewhere, a power cut of the mount does not reach it")
+@contextmanager
+def harness_faults(mount: PowerCutMount, doing: str) -> Iterator[None]:
+    """Turn whatever goes wrong while the FUSE server is dead (a child that crashed on
+    ``ENOTCONN``, a request to the server, an ``OSError`` of the harness on the mount)
+    into :class:`PowerCutHarnessError` naming the server's death, and a failure of the
+    layer itself (:class:`PowerCutError`) into one too: neither is the backend's."""
+    try:
+        yield
+        died = mount.server_died(doing)
+    except PowerCutHarnessError:
+        raise
+    except Exception as exc:
+        died = mount.server_died(doing)
+        if died is not None:
+            raise PowerCutHarnessError(str(died)) from exc
+        if isinstance(exc, PowerCutError):
+            raise PowerCutHarnessError(f"the power-cut file system failed while {doing}: {exc}") from exc
+        raise
+    if died is not None:
+        raise PowerCutHarnessError(str(died))
+
+
+def _power_cut_loop(mount: PowerCutMount, backend: str, *, cuts: int, messages: int, seed: int, policy: str,
+                    workdir: str, start_method: str) -> PowerCutRun | str:
+    storage = str(mount.path / "storage")
+    os.makedirs(storage, exist_ok=True)
+    mount.sync()  # the directory the harness is given exists for good: the testkit's, not the bot's
+    # the spec only: opening the backend here would write through the mount from this process
+    spec = resolve(backend)(storage).kill_spec()
+    if spec is None or not storage_on_workdir(spec, storage):
+        return f"backend {backend}: its storage is not under the workdir (a power cut of the mount would not reach it)"
+    rng = random.Random(f"{seed}/{backend}/{policy}/powercuts")
+    made: list[str] = []
+    dropped = [0]
+
+    def cut(n: int) -> str:
+        mode = CUT_MODES[(n - 1) % len(CUT_MODES)]
+        try:
+            report = mount.cut(mode, seed=rng.randrange(2**31))
+        except PowerCutError as exc:
+            raise PowerCutHarnessError(f"the power-cut file system failed at cut {n}: {exc}") from exc
+        made.append(mode)
+        dropped[0] += report.dropped
+        return f"power cut ({mode}): {report.dropped} of {report.unsynced_ops} unsynced operation(s) lost"
+
+    loop = KillLoop(spec, kills=cuts, messages=messages, seed=seed, on_ambiguous=policy,
+                    workdir=os.path.join(workdir, "loop"), after_kill=cut, label="power-cut loop",
+                    start_method=start_method)
+    result = loop.run()
+    stats = mount.stats()
+    problems = [*stats.internal_errors, *stats.model_errors, *mount.check()]
+    if problems:
+        raise PowerCutHarnessError(f"the power-cut file system disagrees with itself: {problems[:5]}")
+    if not stats.ops.get("write"):
+        return (f"backend {backend}: nothing was written under the workdir during the loop; its storage is "
+                "elsewhere, a power cut of the mount does not reach it")
     return PowerCutRun(result, made, dropped[0], stats)
 
 

@@ -69,7 +69,7 @@ from ..servers.postgres import PrivatePostgres, find_postgres_bindir
 from ..servers.process import ChildServer, ServerStartError
 from ..servers.redis import PrivateRedis, find_redis_server
 from .loop import KillLoop
-from .powercut import CUT_MODES, PowerCutHarnessError, PowerCutRun
+from .powercut import CUT_MODES, PowerCutHarnessError, PowerCutRun, harness_faults
 from .spec import HarnessError
 
 __all__ = ["POSTGRES_POWERCUT_SETTINGS", "SERVER_KINDS", "PowerCutServerRun", "ServerDidNotRecover", "ServerKind",
@@ -225,7 +225,7 @@ def power_cut_server_loop(
         subprocess.run(["cp", "-a", str(template), str(fs.backing / datadir_name)], check=True)
     loopdir = os.path.join(workdir, "loop")
     os.makedirs(loopdir, exist_ok=True)
-    with fs.mount() as mount:
+    with fs.mount() as mount, harness_faults(mount, f"the power-cut loop on a private {kind} ran"):
         datadir = mount.path / datadir_name
         server: ChildServer
         if kind == "postgres":

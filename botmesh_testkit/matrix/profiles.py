@@ -26,7 +26,7 @@ KILL_MESSAGES = 20
 ``--messages``."""
 
 KEYS = ("description", "workloads", "policies", "random_per_workload", "kills", "kill_messages", "kill_text_limit",
-        "power_cuts", "io_errors", "explore_examples", "explore_seconds")
+        "power_cuts", "held_ops", "io_errors", "explore_examples", "explore_seconds", "corruption_variants")
 """Every key a profile file may have (``matrices/README.md`` says what each means)."""
 
 
@@ -61,6 +61,12 @@ class Profile:
     """Kills, each followed by a power cut, per power-cut loop (one loop per backend and
     policy, over ``kill_messages`` messages; for backends that claim ``survives_crash``
     and keep their storage in the workdir; 0: no power cuts)."""
+    held_ops: int = 0
+    """Points of the held-operation sweep per backend (:mod:`botmesh_testkit.kill.held`):
+    the bot's process SIGKILLed while its n-th write, truncate or rename of a short
+    workload is held, n over every operation of it (or this many spread over them), each
+    followed by a process death only or a power cut; same backends as the power cuts,
+    except the server ones; under the first of ``policies`` (0: no sweep)."""
     io_errors: bool = False
     """Run the I/O-error loop too (every file-system operation of a short workload
     failed once, in turn; same backends as the power cuts)."""
@@ -68,6 +74,9 @@ class Profile:
     """Generated stories per backend in the ``explore`` part (0: none)."""
     explore_seconds: float = 60.0
     """Real seconds after which explore starts no new story (per backend)."""
+    corruption_variants: int = 0
+    """Damaged copies of a backend's files in the ``corruption`` part (one loop per
+    backend whose storage is files in its workdir; 0: none)."""
 
 
 def builtin_names() -> list[str]:
@@ -108,7 +117,8 @@ def load_profile(name_or_path: str) -> Profile:
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ProfileError(f"{path}: random_per_workload must be an integer >= 0, got {count!r}")
     counts = {}
-    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES), ("kill_text_limit", 0), ("power_cuts", 0)):
+    for key, default in (("kills", 0), ("kill_messages", KILL_MESSAGES), ("kill_text_limit", 0), ("power_cuts", 0),
+                         ("held_ops", 0), ("corruption_variants", 0)):
         value = data.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ProfileError(f"{path}: {key} must be an integer >= 0, got {value!r}")

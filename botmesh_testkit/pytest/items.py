@@ -250,6 +250,54 @@ class PowerCutItem(ReportingItem):
         return "botmesh-powercuts", 0, self.name
 
 
+class HeldOpsItem(ReportingItem):
+    """The held-operation sweep (:mod:`botmesh_testkit.kill.held`) on one backend: the bot
+    SIGKILLed while its n-th write, truncate or rename is held, for ``points`` values of
+    n, each followed by a process death only or a power cut, restarted and judged."""
+
+    def __init__(self, *, backend: str, policy: str, points: int, seed: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.policy = policy
+        self.points = points
+        self.seed = seed
+        self.add_marker(pytest.mark.spec("GUAR-1", "GUAR-2", "GUAR-3", "GUAR-4", "INB-1", "INB-2", "OUT-1", "OUT-2",
+                                         "OUT-14", "LEASE-2", "TEST-3"))
+        self.user_properties.append(("botmesh_backend", backend))
+
+    def runtest(self) -> None:
+        from ..kill.held import held_op_sweep
+        from ..kill.powercut import PowerCutHarnessError, probe_claims
+        from ..kill.spec import HarnessError
+
+        if not probe_claims(self.backend):
+            pytest.skip(f"capability not claimed: survives_crash (backend {self.backend})")
+        rerun = (f"  rerun: {rerun_base(self.config, self.seed)} --botmesh-parts=powercuts "
+                 f"--botmesh-matrix={matrix_name(self.config)} -k {shlex.quote(f'{self.backend}/{self.points}-held-ops')}")
+        with tempfile.TemporaryDirectory(prefix="botmesh-heldops-") as tmp:
+            try:
+                run = held_op_sweep(self.backend, points=self.points, seed=self.seed, policy=self.policy, workdir=tmp)
+            except PowerCutHarnessError as exc:
+                self.user_properties.append(("botmesh_violated", ()))  # the harness's fault, not the backend's
+                raise CellFailed(f"held-operation sweep on {self.backend}: {exc} (a failure of the testkit's file "
+                                 "system, not a violation by the backend)") from None
+            except HarnessError as exc:
+                ids = ("GUAR-1", "INB-3", "OUT-1")
+                self.user_properties.append(("botmesh_violated", ids))
+                raise CellFailed(f"held-operation sweep on {self.backend}, seed {self.seed}: FAILED\n  violated "
+                                 f"[{', '.join(ids)}] the backend does not start on what a death left of its "
+                                 f"storage: {str(exc)[-1500:]}\n{rerun}") from None
+        if isinstance(run, str):
+            pytest.skip(run)
+        self.user_properties.append(("botmesh_kill_report", run.report().splitlines()[0:2]))
+        if not run.passed:
+            self.user_properties.append(("botmesh_violated", tuple(sorted(run.violated_ids))))
+            raise CellFailed(run.report() + "\n" + rerun)
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "botmesh-powercuts", 0, self.name
+
+
 class IoErrorItem(ReportingItem):
     """The I/O-error loop (:mod:`botmesh_testkit.matrix.io_errors`) on one backend: each
     file-system operation of a short workload fails once, in turn."""
@@ -478,8 +526,14 @@ def suite_items(session: pytest.Session) -> list[pytest.Item]:
 
 
 def powercut_items(session: pytest.Session, config: pytest.Config, backends: list[str], seed: int) -> list[pytest.Item]:
-    """The profile's power-cut loops: one item per backend (whose storage is in its
-    workdir) and policy; one skip when this machine cannot mount the file system."""
+    """The profile's power-cut loops (one item per backend whose storage is in its
+    workdir, or on a private server, and policy), held-operation sweeps and I/O-error
+    loops (one each per embedded backend). When this machine cannot mount the file system
+    — no ``/dev/fuse``, no binding or libfuse, or the mount itself refused (tried once,
+    here: a container without ``CAP_SYS_ADMIN``) — the part is one skip per backend
+    saying why, or a usage error under ``--botmesh-require-powercuts`` /
+    ``--botmesh-require-services``. Trying the mount also unmounts the power-cut mounts
+    a killed run left behind."""
     from ..matrix.profiles import load_profile
     from .options import require_powercuts, usage
 
@@ -487,11 +541,11 @@ def powercut_items(session: pytest.Session, config: pytest.Config, backends: lis
 
     profile = load_profile(matrix_name(config))
     targets = [b for b in backends if powercuts_apply(b)]
-    if not (profile.power_cuts or profile.io_errors) or not targets:
+    if not (profile.power_cuts or profile.held_ops or profile.io_errors) or not targets:
         return []
-    from ..crash.fs.mount import unavailable_reason
+    from ..crash.fs.mount import mount_refused_reason
 
-    reason = unavailable_reason()
+    reason = mount_refused_reason()  # also unmounts what killed runs left behind
     if reason is not None:
         if require_powercuts(config):
             raise usage("--botmesh-parts=powercuts", f"the power-cut file system cannot be mounted here: {reason}")
@@ -504,6 +558,10 @@ def powercut_items(session: pytest.Session, config: pytest.Config, backends: lis
             name = f"botmesh-powercuts::{backend}/{policy}/{profile.power_cuts}-cuts"
             items.append(PowerCutItem.from_parent(session, name=name, nodeid=name, backend=backend, policy=policy,
                                                   cuts=profile.power_cuts, messages=profile.kill_messages, seed=seed))
+        if profile.held_ops and backend not in SERVER_KINDS:  # the bot's own process writes the storage
+            name = f"botmesh-powercuts::{backend}/{profile.held_ops}-held-ops"
+            items.append(HeldOpsItem.from_parent(session, name=name, nodeid=name, backend=backend,
+                                                 policy=profile.policies[0], points=profile.held_ops, seed=seed))
         if profile.io_errors and backend not in SERVER_KINDS:  # the I/O-error loop runs in-process on files
             name = f"botmesh-powercuts::{backend}/io-errors"
             items.append(IoErrorItem.from_parent(session, name=name, nodeid=name, backend=backend, seed=seed))
@@ -547,7 +605,7 @@ def reproduce_command(item: pytest.Item, base: str, config: pytest.Config) -> st
     if part == "scenarios":
         rerun = getattr(item.parent, "rerun", None)
         return f"{rerun} -k {shlex.quote(item.name)}" if rerun else None
-    if part not in ("suite", "explore", "kills", "powercuts"):
+    if part not in ("suite", "explore", "kills", "powercuts", "corruption"):
         return None
     profile = matrix_name(config)
     words = [base, f"--botmesh-parts={part}"]

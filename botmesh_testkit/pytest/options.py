@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PARTS = ("suite", "scenarios", "matrix", "explore", "kills", "powercuts")
+PARTS = ("suite", "scenarios", "matrix", "explore", "kills", "powercuts", "corruption")
 """The parts of a certification, in the order they are reported."""
 
 DEFAULT_BACKEND = "sqlite"

@@ -138,6 +138,7 @@ def build_report(state: BotmeshSession, exitstatus: int | None = None) -> dict[s
             "service_skip": service_skips.get(name),
             "kill_loops": kill_lines.get(name, []),
             "explore": explore_lines.get(name, []),
+            "corruption": state.kill_lines(("corruption",)).get(name, []),
             "failed_items": [f for f in state.failures if f["backend"] == name],
             "matrix_cells": sorted((c for b, c in state.cells if b == name), key=lambda c: (c["seq"], c["id"])),
         })
@@ -220,6 +221,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             out.append(f"| kill loop | {_cell(line)} |")
         for line in b.get("explore", []):
             out.append(f"| explore | {_cell(line)} |")
+        for line in b.get("corruption", []):
+            out.append(f"| corruption | {_cell(line)} |")
         for k, v in b["versions"].items():
             out.append(f"| version: {_cell(k)} | {_cell(v)} |")
         out += [f"| seed | {report['seed']} |", f"| command | `{_cell(report['command'])}` |", ""]

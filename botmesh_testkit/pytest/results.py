@@ -38,6 +38,8 @@ def part_of(nodeid: str) -> str:
         return "kills"
     if nodeid.startswith("botmesh-powercuts::"):
         return "powercuts"
+    if nodeid.startswith("botmesh-corruption::"):
+        return "corruption"
     if nodeid.startswith("botmesh-services::"):
         return "services"
     return "tests"

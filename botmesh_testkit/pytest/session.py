@@ -97,9 +97,11 @@ class BotmeshSession:
                 why.setdefault("explore", f"profile {profile.name!r} explores no stories (explore_examples = 0)")
             if not profile.kills:
                 why.setdefault("kills", f"profile {profile.name!r} has no kill loops (kills = 0)")
-            if not profile.power_cuts and not profile.io_errors:
-                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0) "
-                                            "and no I/O-error loop")
+            if not profile.power_cuts and not profile.held_ops and not profile.io_errors:
+                why.setdefault("powercuts", f"profile {profile.name!r} has no power cuts (power_cuts = 0), "
+                                            "no held-operation sweep (held_ops = 0) and no I/O-error loop")
+            if not profile.corruption_variants:
+                why.setdefault("corruption", f"profile {profile.name!r} damages no files (corruption_variants = 0)")
         except ValueError:
             pass
         if self.config.getoption("--botmesh-cell"):
@@ -120,12 +122,14 @@ class BotmeshSession:
             profile = load_profile(matrix_name(self.config)).name
         except ValueError:
             profile = matrix_name(self.config)
+        from .corruption import files_in_workdir
         from .items import powercuts_apply
 
         claims, _, _ = self.probe(name)
         return judge([r for r in self.results if r.backend == name], claims, profile=profile,
                      service_skip=self.service_skips.get(name), interrupted=interrupted,
-                     why_not_run=self.why_not_run(), storage_in_workdir=powercuts_apply(name))
+                     why_not_run=self.why_not_run(), storage_in_workdir=powercuts_apply(name),
+                     files_in_workdir=files_in_workdir(name))
 
     # -- hooks ----------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

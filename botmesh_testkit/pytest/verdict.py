@@ -11,6 +11,9 @@ can be mounted (a SIGKILL leaves the page cache intact: only a power cut tests f
 backend that claims nothing is certified on the four in-process parts. ``postgres`` and
 ``redis`` are power-cut on a private server of the same binaries whose data directory is
 on the mount (a server given by URL cannot be cut: its settings are checked instead).
+A ``survives_crash`` backend whose storage is files in its workdir must also pass
+``corruption`` (damaged files refused or read back as acknowledged); for one on a server
+the part is not applicable, which its verdict line says.
 """
 
 from __future__ import annotations
@@ -31,16 +34,19 @@ BY_CLAIM: dict[str, tuple[str, ...]] = {"survives_crash": ("kills",)}
 """The parts a claim adds."""
 
 
-def required_parts(claims: Mapping[str, bool] | None, *, storage_in_workdir: bool = False) -> tuple[str, ...]:
+def required_parts(claims: Mapping[str, bool] | None, *, storage_in_workdir: bool = False,
+                   files_in_workdir: bool = False) -> tuple[str, ...]:
     """The parts a backend making ``claims`` must pass (None: claims unknown — only the
     parts every backend needs); ``storage_in_workdir`` adds the power cuts to a
-    ``survives_crash`` claim."""
+    ``survives_crash`` claim, ``files_in_workdir`` the corruption part."""
     parts = list(ALWAYS)
     for claim, more in BY_CLAIM.items():
         if claims and claims.get(claim):
             parts.extend(p for p in more if p not in parts)
     if claims and claims.get("survives_crash") and storage_in_workdir:
         parts.append("powercuts")
+    if claims and claims.get("survives_crash") and files_in_workdir:
+        parts.append("corruption")
     return tuple(parts)
 
 
@@ -55,22 +61,35 @@ class Verdict:
     missing: tuple[str, ...] = ()
     """Required parts that did not run."""
     required: tuple[str, ...] = ()
+    not_applicable: str = ""
+    """A part that does not apply to the backend, and why (``corruption not applicable:
+    ...``), said in the line without weighing on the verdict."""
 
     def line(self) -> str:
         """``certified at profile smoke (suite, scenarios, matrix, kills)`` ..."""
         head = f"{self.status} at profile {self.profile}"
+        note = f"; {self.not_applicable}" if self.not_applicable else ""
         if self.status == CERTIFIED:
-            return f"{head} ({', '.join(self.required)})"
-        return f"{head}: {'; '.join(self.reasons)}"
+            return f"{head} ({', '.join(self.required)}{note})"
+        return f"{head}: {'; '.join(self.reasons)}{note}"
 
 
 def judge(rows: Iterable[Result], claims: Mapping[str, bool] | None, *, profile: str,
           service_skip: str | None = None, interrupted: str | None = None,
-          why_not_run: Mapping[str, str] | None = None, storage_in_workdir: bool = False) -> Verdict:
+          why_not_run: Mapping[str, str] | None = None, storage_in_workdir: bool = False,
+          files_in_workdir: bool = False) -> Verdict:
     """The verdict on one backend from its items' results. ``why_not_run`` may say why a
     part has no item (``"not selected with --botmesh-parts"`` ...)."""
     rows = list(rows)
-    required = required_parts(claims, storage_in_workdir=storage_in_workdir)
+    required = required_parts(claims, storage_in_workdir=storage_in_workdir, files_in_workdir=files_in_workdir)
+    na = ("corruption not applicable (its storage is not files in the workdir)"
+          if claims and claims.get("survives_crash") and not files_in_workdir else "")
+    verdict = _judge(rows, required, profile, service_skip, interrupted, why_not_run)
+    return Verdict(verdict.status, profile, verdict.reasons, verdict.missing, required, na)
+
+
+def _judge(rows: list[Result], required: tuple[str, ...], profile: str, service_skip: str | None,
+           interrupted: str | None, why_not_run: Mapping[str, str] | None) -> Verdict:
     reasons: list[str] = []
     if service_skip:
         reasons.append(f"service skipped: {service_skip}")

@@ -41,11 +41,14 @@ The control API (each call answered before it returns)::
         report = m.cut("drop" | "subset" | "torn", seed=7)   # mount shows the durable state
         m.fail("write", "*.wal", nth=2, errno=errno.EIO)      # the 2nd matching write fails once
         m.hold("rename", "*", nth=1); op = m.wait_held()       # a rename waits; kill its process,
-        m.cut()                                                # then cut (or m.release())
+        m.cut()                                                # then cut (or m.release(): it lands,
+                                                               # or m.cancel(): it never does, no cut)
+        m.hold("write|truncate|rename", "db/*", nth=5)         # several operations joined by |
         m.stats()                                              # ops, fsyncs, unsynced bytes, faults
         m.check()                                              # [] when model and mount agree
 
 :class:`PowerCutUnavailable` says why a machine cannot mount (skip with its message);
+:func:`unavailable_reason` tells without mounting, :func:`mount_refused_reason` by trying;
 :class:`PowerCutServerDied` names a dead server (a harness failure, never the backend's);
 :func:`cleanup_stale_mounts` unmounts what killed runs left behind (every mount does).
 """
@@ -64,6 +67,7 @@ from .mount import (
     PowerCutStats,
     PowerCutUnavailable,
     cleanup_stale_mounts,
+    mount_refused_reason,
     unavailable_reason,
 )
 from .recording_io import PowerCutIO
@@ -73,5 +77,5 @@ __all__ = [
     "FAULT_OPS", "REGISTRY_DIR", "ROOT_INO", "SECTOR_SIZES", "CrashState", "CutReport", "HeldOp", "NodeAttrs", "PersistenceModel",
     "PowerCutError", "PowerCutFS", "PowerCutIO", "PowerCutMount", "PowerCutServerDied", "PowerCutStats", "PowerCutUnavailable",
     "RebuildReport", "Seed", "Target", "TornWrite", "UnsupportedEntry", "cleanup_stale_mounts", "crash_modes",
-    "load_tree", "materialize", "rebuild", "unavailable_reason",
+    "load_tree", "materialize", "mount_refused_reason", "rebuild", "unavailable_reason",
 ]

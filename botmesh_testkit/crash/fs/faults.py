@@ -25,7 +25,8 @@ FAULT_OPS: tuple[str, ...] = (
 matches ``"create"`` (an open that creates the file); ``"fsync"`` is a file's fsync or
 fdatasync, ``"fsyncdir"`` a directory's. A ``write(2)`` that starts inside a page and
 crosses its end reaches the file system as two writes, split at the page boundary (the
-kernel's write-through path): each counts."""
+kernel's write-through path): each counts. A rule may name several operations joined by
+``|`` (``"write|truncate|rename"``): the n-th operation of any of them is the one."""
 
 
 @dataclass
@@ -39,7 +40,8 @@ class _Rule:
     seen: int = 0
 
     def matches(self, op: str, paths: tuple[str, ...]) -> bool:
-        if self.op not in ("*", op) and not (self.op == "open" and op == "create"):
+        ops = self.op.split("|")
+        if "*" not in ops and op not in ops and not ("open" in ops and op == "create"):
             return False
         return any(fnmatch.fnmatchcase(p, self.glob) for p in paths)
 
@@ -51,6 +53,7 @@ class _Held:
     path: str
     pid: int
     released: bool = False
+    cancelled: bool = False
 
     def public(self) -> dict[str, Any]:
         return {"rule": self.rule, "op": self.op, "path": self.path, "pid": self.pid}
@@ -96,11 +99,11 @@ class FaultRules:
                 self._held.append(held)
                 self._holds.append(held.public())
                 self._cond.notify_all()
-                while not held.released and self.generation == gen and not self._stopping:
+                while not (held.released or held.cancelled) and self.generation == gen and not self._stopping:
                     self._cond.wait()
                 self._held.remove(held)
                 if not held.released:
-                    raise OSError(errno.EIO, "held operation cancelled by a power cut")
+                    raise OSError(errno.EIO, "held operation cancelled (a cancel, a power cut or the unmount)")
                 return gen, 0
         return gen, 0
 
@@ -108,8 +111,9 @@ class FaultRules:
         """A new ``"fail"`` or ``"hold"`` rule; returns its id."""
         if action not in ("fail", "hold"):
             raise ValueError(f"unknown rule action {action!r}")
-        if op != "*" and op not in FAULT_OPS:
-            raise ValueError(f"unknown operation {op!r}: one of {', '.join(FAULT_OPS)} or '*'")
+        if op != "*" and (not op or any(o not in FAULT_OPS for o in op.split("|"))):
+            raise ValueError(f"unknown operation {op!r}: one of {', '.join(FAULT_OPS)}, several joined by '|', "
+                             "or '*'")
         if nth < 1:
             raise ValueError(f"nth must be >= 1, got {nth}")
         if action == "fail" and code not in errno.errorcode:
@@ -141,6 +145,23 @@ class FaultRules:
                 self._rules = [r for r in self._rules if r.id != rule]
             self._cond.notify_all()
         return released
+
+    def cancel(self, rule: int | None) -> int:
+        """Answer the held operations of ``rule`` (all: ``None``) with ``EIO`` without
+        doing them, and without a power cut: the process that made them was killed, so
+        the operation never lands while everything before it stays (the page cache of a
+        machine that kept its power). A named rule that has not fired yet is dropped.
+        Returns how many were cancelled."""
+        with self._cond:
+            cancelled = 0
+            for held in self._held:
+                if (rule is None or held.rule == rule) and not held.released:
+                    held.cancelled = True
+                    cancelled += 1
+            if rule is not None:
+                self._rules = [r for r in self._rules if r.id != rule]
+            self._cond.notify_all()
+        return cancelled
 
     def clear(self) -> int:
         """Drop every rule and release every held operation."""

@@ -545,6 +545,9 @@ class PowerCutServer:
         if cmd == "release":
             named = req.get("rule")
             return {"released": self._rules.release(None if named is None else int(named))}
+        if cmd == "cancel":
+            named = req.get("rule")
+            return {"cancelled": self._rules.cancel(None if named is None else int(named))}
         if cmd == "clear":
             return {"released": self._rules.clear()}
         if cmd == "sync":

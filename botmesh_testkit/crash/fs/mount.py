@@ -46,7 +46,7 @@ from .state import Seed, TornWrite
 
 __all__ = [
     "REGISTRY_DIR", "CutReport", "HeldOp", "PowerCutError", "PowerCutFS", "PowerCutMount", "PowerCutServerDied",
-    "PowerCutStats", "PowerCutUnavailable", "cleanup_stale_mounts", "unavailable_reason",
+    "PowerCutStats", "PowerCutUnavailable", "cleanup_stale_mounts", "mount_refused_reason", "unavailable_reason",
 ]
 
 REGISTRY_DIR = Path(tempfile.gettempdir()) / "botmesh-powercut-mounts"
@@ -145,6 +145,24 @@ def unavailable_reason() -> str | None:
         return "libfuse 3 is not installed (Debian/Ubuntu: apt-get install fuse3 libfuse3-dev)"
     if shutil.which("fusermount3") is None and (os.geteuid() != 0 or shutil.which("umount") is None):
         return "fusermount3 is not installed (Debian/Ubuntu: apt-get install fuse3)"
+    return None
+
+
+def mount_refused_reason() -> str | None:
+    """Why this machine cannot mount the power-cut file system, found by trying:
+    :func:`unavailable_reason`, then a real mount (unmounted at once) of a scratch
+    directory — a container without ``CAP_SYS_ADMIN`` or a user namespace has
+    ``/dev/fuse`` and ``fusermount3`` and still refuses the mount itself. ``None`` when
+    it mounted. Like every mount, it first unmounts what killed runs left behind
+    (:func:`cleanup_stale_mounts`)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    with tempfile.TemporaryDirectory(prefix="botmesh-powercut-probe-") as tmp:
+        try:
+            PowerCutFS(tmp).mount().unmount()
+        except PowerCutError as exc:
+            return str(exc)
     return None
 
 
@@ -388,10 +406,13 @@ class PowerCutMount:
 
     def hold(self, op: str, path_glob: str = "*", nth: int = 1) -> int:
         """Make the ``nth`` matching operation (as :meth:`fail`) wait before it does
-        anything, until :meth:`release` (it then runs) or a cut or unmount (it then
-        fails with ``EIO``, undone). :meth:`wait_held` waits until it is waiting.
+        anything, until :meth:`release` (it then runs), :meth:`cancel` or a cut or
+        unmount (it then fails with ``EIO``, undone). ``op`` may join several operations
+        with ``|`` (``"write|truncate|rename"``: the n-th of any of them). :meth:`wait_held`
+        waits until it is waiting.
         Returns the rule's id. A SIGKILLed process dies only once its held operation is
-        answered: kill, then :meth:`cut` or :meth:`release`, then wait for it."""
+        answered: kill, then :meth:`cut`, :meth:`cancel` or :meth:`release`, then wait
+        for it."""
         return int(self._request("hold", op=op, path_glob=path_glob, nth=nth)["rule"])
 
     def wait_held(self, timeout: float = 120.0) -> HeldOp:
@@ -405,6 +426,29 @@ class PowerCutMount:
         """Let the held operations of rule ``rule`` (every rule: ``None``) run; a named
         rule that has not fired yet is dropped. Returns how many operations went on."""
         return int(self._request("release", rule=rule)["released"])
+
+    def poll_held(self) -> HeldOp | None:
+        """The first operation held now, or ``None`` (:meth:`wait_held` without the wait)."""
+        try:
+            return self.wait_held(timeout=0.0)
+        except TimeoutError:
+            return None
+
+    def cancel(self, rule: int | None = None) -> int:
+        """Answer the held operations of rule ``rule`` (every rule: ``None``) with
+        ``EIO`` without doing them and without a power cut — for a process killed while
+        its operation was held: the operation never lands, everything it did before stays
+        visible (a process death, not a power loss). A named rule that has not fired yet
+        is dropped. Returns how many were cancelled."""
+        return int(self._request("cancel", rule=rule)["cancelled"])
+
+    def server_died(self, doing: str) -> PowerCutServerDied | None:
+        """:class:`PowerCutServerDied` naming the server's death (while ``doing``) when its
+        process has ended, else ``None``: ask it before blaming the backend for what went
+        wrong on the mount."""
+        if self._proc.poll() is None:
+            return None
+        return self._died(doing)
 
     def clear(self) -> None:
         """Drop every fail and hold rule; held operations go on."""
@@ -524,8 +568,10 @@ class PowerCutMount:
                 if message.get("event") == "error":
                     error = str(message.get("error"))
                     self._abandon()
-                    cls = PowerCutUnavailable if error.startswith("mount failed") else PowerCutError
-                    raise cls(f"{error}; server log: {self._log_tail()}")
+                    if error.startswith("mount failed"):
+                        raise PowerCutUnavailable(f"mounting the power-cut file system was refused here "
+                                                  f"({error}): {self._log_tail()}")
+                    raise PowerCutError(f"{error}; server log: {self._log_tail()}")
         except BaseException:
             self._abandon()
             raise

@@ -69,9 +69,19 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
   returned). When the bytes after the last newline start with a complete length and
   checksum and run *past* that length, the line reached its full size with a wrong
   terminator: that is damage, not a torn write.
-* **Every complete line** (one ending in a newline) must have the right length and
+* The same holds for a *final* line that reached its newline but has a **hole**: a run
+  of NUL bytes from its start, or from a 512-byte sector boundary, up to a sector
+  boundary. A power cut leaves that of an append that crossed a page boundary when the
+  later page reached the disk and the earlier did not (XFS moves the size at the later
+  page's I/O completion; ext4's ordered mode only orders newly allocated blocks, not
+  the rewrite of the partly filled page before them). An fsync writes both pages, so
+  such a line was never acknowledged: it is cut off like any torn write (BACK-5: a
+  half-written *last* line is trimmed).
+* **Every other complete line** (one ending in a newline) must have the right length and
   checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
-  the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write.
+  the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write (one flipped bit
+  never makes a hole: the line's first byte is a digit, and a run of two NULs needs two
+  flips).
 * **Sequence numbers**: entries follow each other by one; the first is at most
   ``log_seq + 1``; entries at or before ``log_seq`` (left by a crash between compaction's
   two steps) are skipped only after checking that the snapshot holds what they wrote, and
@@ -338,6 +348,8 @@ def _unsupported(path: str, version: object, what: str) -> NoReturn:
 # Bounded parsing
 # ---------------------------------------------------------------------------------------
 
+SECTOR = 512
+"""The smallest unit a disk writes whole: a power cut's holes begin and end on it."""
 _FRAME_HEAD = re.compile(rb"(0|[1-9][0-9]{0,11}) ([0-9a-f]{8}) ")
 # A JSON string (skipped) or a bracket: what the nesting depth is counted over.
 _DEPTH_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
@@ -625,6 +637,30 @@ def _parse_entry(obj: Any, line: int, byte: int, v1: bool) -> LogEntry | str:
     return LogEntry(seq, op, scope, space, key, version, value, due, expires, line, byte)
 
 
+def _lost_sectors(data: bytes, start: int) -> bool:
+    """Whether the line at ``start`` is the log's *final* line and holds a run of NUL
+    bytes that begins at the line's start or at a sector boundary and ends at one (512
+    bytes): the shape a power cut leaves of an append that crossed a page boundary when
+    the later page reached the disk and the earlier one did not (XFS sets the size at
+    the later page's I/O completion; ext4's ordered mode orders only newly allocated
+    blocks, not the rewrite of the partly filled page before them). That line was never
+    fsynced — an fsync would have written both pages — so it was never acknowledged."""
+    newline = data.find(b"\n", start)
+    if newline != len(data) - 1:
+        return False
+    pos = start
+    while True:
+        a = data.find(b"\0", pos, newline)
+        if a == -1:
+            return False
+        b = a
+        while b < newline and data[b] == 0:
+            b += 1
+        if (a == start or a % SECTOR == 0) and b % SECTOR == 0:
+            return True
+        pos = b
+
+
 def scan_log(data: bytes, path: str) -> LogScan:
     """The entries of a log file (version 2, or 1) and the length of its good prefix.
     Raises ``APPEND_LOG_CORRUPT`` for damage that is not a torn final line."""
@@ -648,7 +684,7 @@ def scan_log(data: bytes, path: str) -> LogScan:
         start = pos
         payload, pos, reason = _read_frame(data, pos)
         if payload is None:
-            if reason is not None:
+            if reason is not None and not _lost_sectors(data, start):
                 _corrupt_log(path, line, start, reason)
             return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line
         obj, reason = _decode(payload, MAX_VALUE_DEPTH + 1)

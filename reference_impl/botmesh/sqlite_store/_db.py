@@ -7,6 +7,14 @@ unit, in one ``BEGIN IMMEDIATE`` transaction of ``CREATE ... IF NOT EXISTS`` sta
 by whichever connection opens the file first — the store's or the durability's. It is
 idempotent, and several processes opening the same file at once serialise on SQLite's
 write lock (waiting up to ``busy_timeout_ms``) instead of failing.
+
+Schema version 2 (``PRAGMA user_version``) adds the row checksum ``crc`` to ``durable``;
+a version-1 file is migrated in that same transaction (the column added and filled), a
+newer version is refused naming it. In that transaction too, before anything is written,
+the checks of :mod:`._integrity` run: the write-ahead log's frames, and for the
+journals' connection the integrity of table ``durable``. A damaged file is refused with
+:class:`~botmesh.core.errors.JournalCorruptError` naming it, as is every ``SQLITE_CORRUPT``
+or ``SQLITE_NOTADB`` the driver reports later (:func:`unavailable`).
 """
 
 from __future__ import annotations
@@ -16,14 +24,16 @@ import sqlite3
 import time
 from typing import Any
 
-from ..core.errors import BackendUnavailableError, ConfigError
+from ..core.errors import BackendUnavailableError, ConfigError, DurabilityError, JournalCorruptError
 from ..core.fileio import place_problem
+from ._integrity import check_wal, row_crc
 
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 """How long a connection waits for another connection's write lock before failing."""
 
-SCHEMA_VERSION = 1
-"""Stored in ``PRAGMA user_version`` when the schema is first created."""
+SCHEMA_VERSION = 2
+"""Stored in ``PRAGMA user_version`` when the schema is first created (1: without the
+row checksum ``crc``, migrated at open)."""
 
 SCHEMA: tuple[str, ...] = (
     # The store (botmesh.core.store.Store): JSON values by (namespace, key) ...
@@ -49,6 +59,7 @@ SCHEMA: tuple[str, ...] = (
         version INTEGER NOT NULL,
         due REAL,
         expires REAL,
+        crc INTEGER,
         PRIMARY KEY (scope, space, key)
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS durable_due ON durable (scope, space, due, key)",
@@ -117,8 +128,20 @@ def check_busy_timeout(busy_timeout_ms: Any) -> int:
     return busy_timeout_ms
 
 
-def unavailable(file: str, exc: BaseException, doing: str) -> BackendUnavailableError:
-    """The :class:`BackendUnavailableError` that replaces a driver error, naming the file."""
+_DAMAGE_CODES = (11, 26)
+"""``SQLITE_CORRUPT`` and ``SQLITE_NOTADB``: the file is damaged, not unreachable."""
+
+
+def unavailable(file: str, exc: BaseException, doing: str) -> DurabilityError:
+    """The error that replaces a driver error, naming the file:
+    :class:`JournalCorruptError` when the driver found the file damaged
+    (``SQLITE_CORRUPT``, ``SQLITE_NOTADB``), else :class:`BackendUnavailableError`."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int) and (code & 0xFF) in _DAMAGE_CODES:
+        damaged = JournalCorruptError(f"SQLite {file!r}: {doing} failed, the file is damaged: {exc} (restore it "
+                                      "from a backup)", file=file)
+        damaged.__cause__ = exc
+        return damaged
     error = BackendUnavailableError(f"SQLite {file!r}: {doing} failed: {exc}", file=file)
     error.__cause__ = exc
     return error
@@ -142,7 +165,31 @@ def _is_busy(exc: sqlite3.Error) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
 
-def _setup(conn: sqlite3.Connection, busy_timeout_ms: int) -> None:
+def _migrate(conn: sqlite3.Connection, file: str) -> None:
+    """Bring the schema to :data:`SCHEMA_VERSION` (in the caller's transaction)."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version == SCHEMA_VERSION:
+        return
+    if version > SCHEMA_VERSION:
+        raise JournalCorruptError(f"SQLite {file!r}: schema version {version} is newer than this release knows "
+                                  f"({SCHEMA_VERSION}); open it with the release that wrote it",
+                                  code="JOURNAL_VERSION_UNSUPPORTED", file=file, version=version)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(durable)")}
+    if "crc" not in columns:  # version 1: the row checksum added and filled
+        conn.execute("ALTER TABLE durable ADD COLUMN crc INTEGER")
+        conn.execute("UPDATE durable SET crc = botmesh_row_crc(scope, space, key, value, version, due, expires)")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _check_journals(conn: sqlite3.Connection, file: str) -> None:
+    """``PRAGMA integrity_check(durable)``: the journals' b-trees and indexes."""
+    found = [str(row[0]) for row in conn.execute("PRAGMA integrity_check(durable)").fetchmany(5)]
+    if found != ["ok"]:
+        raise JournalCorruptError(f"SQLite {file!r}: the journals' table is damaged: {'; '.join(found)} (restore "
+                                  "the file from a backup)", code="INTEGRITY_CHECK", file=file, problems=found)
+
+
+def _setup(conn: sqlite3.Connection, busy_timeout_ms: int, file: str = "", journals: bool = False) -> None:
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
     mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     if str(mode).lower() != "wal":
@@ -151,19 +198,26 @@ def _setup(conn: sqlite3.Connection, busy_timeout_ms: int) -> None:
             raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA fullfsync = ON")
+    conn.create_function("botmesh_row_crc", 7, row_crc, deterministic=True)
     conn.execute("BEGIN IMMEDIATE")
     try:
+        check_wal(file)  # under the write lock: no other process appends to or resets the log meanwhile
+        fresh = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
         for statement in SCHEMA:
             conn.execute(statement)
-        if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+        if fresh:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        else:
+            _migrate(conn, file)
+        if journals:
+            _check_journals(conn, file)
         conn.execute("COMMIT")
     except BaseException:
         rollback_quietly(conn)
         raise
 
 
-def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
+def connect(file: str, busy_timeout_ms: int, *, journals: bool = False) -> sqlite3.Connection:
     """Open ``file`` (created when absent) with WAL, ``busy_timeout`` and
     ``synchronous=FULL``, and create the schema. Raises
     :class:`BackendUnavailableError` naming the file on any driver error.
@@ -182,6 +236,10 @@ def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
     The connection is in autocommit mode (``isolation_level=None``): callers open
     transactions themselves with ``BEGIN IMMEDIATE``. ``check_same_thread`` is off;
     callers serialise use of a connection with their own lock.
+
+    ``journals``: the journals' connection (``SQLiteKv``), which also checks table
+    ``durable`` at open (:mod:`._integrity`). A damaged file raises
+    :class:`JournalCorruptError` naming it.
     """
     try:
         conn = sqlite3.connect(
@@ -194,7 +252,7 @@ def connect(file: str, busy_timeout_ms: int) -> sqlite3.Connection:
     try:
         while True:
             try:
-                _setup(conn, busy_timeout_ms)
+                _setup(conn, busy_timeout_ms, file, journals)
                 return conn
             except sqlite3.Error as exc:
                 if not _is_busy(exc) or time.monotonic() >= deadline:

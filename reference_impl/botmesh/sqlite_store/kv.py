@@ -25,6 +25,11 @@ a conflict), so several processes sharing the file get exactly one winner per CA
 
 Durability: WAL with ``synchronous=FULL`` — a write that returned survives a process
 crash and a power cut.
+
+Damage: every row carries a checksum written with it and checked on every read, the
+table's integrity and the write-ahead log are checked at open
+(:mod:`botmesh.sqlite_store._integrity`); a damaged file raises
+:class:`~botmesh.core.errors.JournalCorruptError` naming it, never altered records.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from ..core.errors import BackendUnavailableError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
+from ._integrity import check_row, row_crc
+
+_ROW = "scope, space, key, value, version, due, expires, crc"
+"""The columns :func:`~._integrity.check_row` checks, in its order."""
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
 
@@ -112,7 +121,7 @@ class SQLiteKv(DurableKv):
     def _connect(self) -> sqlite3.Connection:
         """A new connection to the file with the durability pragmas and the schema
         (:func:`botmesh.sqlite_store._db.connect`); called with ``self._lock`` held."""
-        return connect(self._file, self._busy_timeout_ms)
+        return connect(self._file, self._busy_timeout_ms, journals=True)
 
     def _open_locked(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -149,12 +158,14 @@ class SQLiteKv(DurableKv):
             conn = self._connection()
             try:
                 row = conn.execute(
-                    "SELECT value, version FROM durable WHERE scope = ? AND space = ? AND key = ?",
+                    f"SELECT {_ROW} FROM durable WHERE scope = ? AND space = ? AND key = ?",
                     (scope, space, key),
                 ).fetchone()
             except sqlite3.Error as exc:
                 raise unavailable(self._file, exc, "get") from exc
-        result = None if row is None else Versioned(json.loads(row[0]), row[1])
+        if row is not None:
+            check_row(self._file, row)
+        result = None if row is None else Versioned(json.loads(row[3]), row[4])
         await asyncio.sleep(0)
         return result
 
@@ -177,6 +188,7 @@ class SQLiteKv(DurableKv):
         with self._lock:
             conn = self._connection()
             new_version = expected_version + 1
+            crc = row_crc(scope, space, key, text, new_version, due, expires)
             conflict: int | None = None  # the version found, when the CAS failed
             try:
                 conn.execute("BEGIN IMMEDIATE")
@@ -184,9 +196,9 @@ class SQLiteKv(DurableKv):
                     if expected_version == 0:
                         try:
                             conn.execute(
-                                "INSERT INTO durable (scope, space, key, value, version, due, expires)"
-                                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                (scope, space, key, text, new_version, due, expires),
+                                "INSERT INTO durable (scope, space, key, value, version, due, expires, crc)"
+                                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                (scope, space, key, text, new_version, due, expires, crc),
                             )
                         except sqlite3.IntegrityError:
                             conflict = self._version_of(conn, scope, space, key)
@@ -194,9 +206,9 @@ class SQLiteKv(DurableKv):
                                 raise
                     else:
                         cursor = conn.execute(
-                            "UPDATE durable SET value = ?, version = ?, due = ?, expires = ?"
+                            "UPDATE durable SET value = ?, version = ?, due = ?, expires = ?, crc = ?"
                             " WHERE scope = ? AND space = ? AND key = ? AND version = ?",
-                            (text, new_version, due, expires, scope, space, key, expected_version),
+                            (text, new_version, due, expires, crc, scope, space, key, expected_version),
                         )
                         if cursor.rowcount == 0:
                             conflict = self._version_of(conn, scope, space, key)
@@ -246,7 +258,7 @@ class SQLiteKv(DurableKv):
         upto = check_range(scope, space, upto)
         column = check_index(index)  # ValueError for an unknown name
         sql = (
-            f"SELECT {column}, key FROM durable"
+            f"SELECT {column}, {_ROW} FROM durable"
             f" WHERE scope = ? AND space = ? AND {column} IS NOT NULL AND {column} <= ?"
             f" ORDER BY {column}, key"
         )
@@ -256,8 +268,10 @@ class SQLiteKv(DurableKv):
                 rows = self._limited(conn, sql, (scope, space, upto), limit)
             except sqlite3.Error as exc:
                 raise unavailable(self._file, exc, "range") from exc
+        for row in rows:
+            check_row(self._file, row[1:])
         await asyncio.sleep(0)
-        return [(float(score), key) for score, key in rows]
+        return [(float(row[0]), row[3]) for row in rows]
 
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100
@@ -267,10 +281,10 @@ class SQLiteKv(DurableKv):
         bytes, which sorts like code points)."""
         after = check_scan(scope, space, after)
         if after is None:
-            sql = "SELECT key, value, version FROM durable WHERE scope = ? AND space = ? ORDER BY key"
+            sql = f"SELECT {_ROW} FROM durable WHERE scope = ? AND space = ? ORDER BY key"
             params: tuple[Any, ...] = (scope, space)
         else:
-            sql = "SELECT key, value, version FROM durable WHERE scope = ? AND space = ? AND key > ? ORDER BY key"
+            sql = f"SELECT {_ROW} FROM durable WHERE scope = ? AND space = ? AND key > ? ORDER BY key"
             params = (scope, space, after)
         with self._lock:
             conn = self._connection()
@@ -278,7 +292,9 @@ class SQLiteKv(DurableKv):
                 rows = self._limited(conn, sql, params, limit)
             except sqlite3.Error as exc:
                 raise unavailable(self._file, exc, "scan") from exc
-        result = [(key, Versioned(json.loads(value), version)) for key, value, version in rows]
+        for row in rows:
+            check_row(self._file, row)
+        result = [(row[2], Versioned(json.loads(row[3]), row[4])) for row in rows]
         await asyncio.sleep(0)
         return result
 
