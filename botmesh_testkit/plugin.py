@@ -98,7 +98,8 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("botmesh", "botmesh durability conformance and crash matrix")
     group.addoption("--botmesh-backend", action="append", default=None, metavar="NAME",
-                    help="backend to certify (repeatable): memory, file, file+log, sqlite, postgres, redis, "
+                    help="backend to certify (repeatable): memory, file, file+log, sqlite, events, events-shared, "
+                         "events-shared+log, postgres, redis, "
                          "a registered name, or pkg.module:factory")
     group.addoption("--botmesh-matrix", default=None, metavar="PROFILE",
                     help="crash matrix profile: smoke (default), full, or a path to a .toml file")

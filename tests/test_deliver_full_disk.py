@@ -100,7 +100,7 @@ def _world(m: PowerCutMount, backend: str, sub: str) -> World:
 
 
 @pytest.mark.spec("INB-8", "INB-2", "INB-3", "GUAR-1")
-@pytest.mark.parametrize("backend", ["file", "file+log", "sqlite"])
+@pytest.mark.parametrize("backend", ["file", "file+log", "sqlite", "events", "events-shared+log"])
 async def test_a_message_arriving_on_a_full_disk_is_refused_and_taken_once_space_is_back(
         mount: PowerCutMount, backend: str) -> None:
     """INB-8: with the disk full, ``deliver`` returns False (never raises), an ``error``
@@ -124,7 +124,7 @@ async def test_a_message_arriving_on_a_full_disk_is_refused_and_taken_once_space
 
 
 @pytest.mark.spec("INB-8", "INB-2", "INB-3", "OUT-1")
-@pytest.mark.parametrize("backend", ["file", "file+log", "sqlite"])
+@pytest.mark.parametrize("backend", ["file", "file+log", "sqlite", "events", "events-shared+log"])
 async def test_enospc_at_each_write_of_a_message_never_makes_deliver_raise(mount: PowerCutMount, backend: str) -> None:
     """INB-8, INB-2: ``ENOSPC`` at the n-th write or fsync of a message's life, for every
     n: ``deliver`` returns True or False, never raises; then the message is settled and

@@ -121,7 +121,8 @@ def test_backends_registered_by_hook_and_by_entry_point(pytester: pytest.Pyteste
     ep = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--botmesh-backend=ep-kv", "--botmesh-parts=scenarios")
     ep.assert_outcomes(passed=10)
     unknown = pytester.runpytest_subprocess("--botmesh-backend=nope")
-    unknown.stderr.fnmatch_lines(["*'nope' is not a known backend (memory, file, file+log, sqlite, postgres, redis, ep-kv)*"])
+    unknown.stderr.fnmatch_lines(["*'nope' is not a known backend (memory, file, file+log, sqlite, events, events-shared, "
+                                  "events-shared+log, postgres, redis, ep-kv)*"])
 
 
 HANGS = '''

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import HarnessFactory
+from .events import EventsHarness
 from .factory import factory_harness
 from .file import FileHarness
 from .memory import MemoryHarness
@@ -19,6 +20,9 @@ HARNESSES: dict[str, HarnessFactory] = {
     "file": lambda d: FileHarness(d),
     "file+log": lambda d: FileHarness(d, append_log=True),
     "sqlite": SQLiteHarness,
+    "events": lambda d: EventsHarness(d, name="events"),
+    "events-shared": lambda d: EventsHarness(d, name="events-shared"),
+    "events-shared+log": lambda d: EventsHarness(d, name="events-shared+log"),
 }
 """The built-in backends by name."""
 
