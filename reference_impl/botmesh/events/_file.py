@@ -16,7 +16,7 @@ from typing import Any
 
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.file_format import Entry, Records, encode_value, log_line
-from botmesh.core.file_kv import FileKv, _SnapshotWriteFailed
+from botmesh.core.file_kv import FileKv, _page_writes, _SnapshotWriteFailed
 from botmesh.core.fileio import FileIO
 
 __all__ = ["Change", "JournalFile"]
@@ -114,7 +114,11 @@ class JournalFile(FileKv):
             parts.append(log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded))
         data = b"".join(parts)
         try:
-            self._io.append(self._log_fd, data, fsync=self._fsync)
+            # Cut at page boundaries, each fsync'ed before the next, as FileKv's group
+            # commit does (file_kv._page_writes): a power cut leaves at most a torn final
+            # line, never a hole before complete lines, which the reader refuses (BACK-5).
+            for chunk in _page_writes(parts, self._log_bytes) if self._fsync else [data]:
+                self._io.append(self._log_fd, chunk, fsync=self._fsync)
         except OSError as exc:
             try:
                 self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
