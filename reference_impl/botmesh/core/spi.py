@@ -62,6 +62,7 @@ __all__ = [
     "Versioned",
     "check_index",
     "check_json_object",
+    "encode_json_object",
 ]
 
 
@@ -167,14 +168,22 @@ class DurableKv(ABC):
         ascending by key (code-point order)."""
 
 
+def encode_json_object(value: Any) -> str:
+    """``value`` encoded as compact JSON text, raising ``TypeError`` when it is not a
+    JSON object (``ValueError`` for NaN/infinity and for nesting too deep to encode):
+    the one encoding a kv needs to store a value it must not alias. Decoding the text
+    gives what :func:`check_json_object` returns."""
+    if not isinstance(value, dict):
+        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except RecursionError:
+        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
+
+
 def check_json_object(value: Any) -> dict[str, Any]:
     """Deep-copy ``value`` through JSON, raising ``TypeError`` when it is not a JSON
     object (``ValueError`` for NaN/infinity and for nesting too deep to encode). Backends
     use it so that what they store is what they return."""
-    if not isinstance(value, dict):
-        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
-    try:
-        result: dict[str, Any] = json.loads(json.dumps(value, allow_nan=False))
-    except RecursionError:
-        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
+    result: dict[str, Any] = json.loads(encode_json_object(value))
     return result
