@@ -206,20 +206,21 @@ class RacyClaims(KvDurability):
     record, awaits (an I/O round trip), then writes over whatever version is current
     instead of compare-and-set on the version it read."""
 
-    async def _transition(self, scope: str, space: str, key: str, change: Any, indexes: Any) -> Any:
+    async def _transition(self, scope: str, space: str, key: str, cls: Any, change: Any) -> Any:
         current = await self.kv.get(scope, space, key)
         if current is None:
             return None
-        new = change(current.value)
+        new = change(cls.from_json(current.value))
         if new is None:
             return None
         await asyncio.sleep(0)
-        due, expires = indexes(new)
+        due, expires = self._indexes(new)
         while True:  # last write wins
             latest = await self.kv.get(scope, space, key)
             try:
                 await self.kv.put(
-                    scope, space, key, new, expected_version=latest.version if latest else 0, due=due, expires=expires
+                    scope, space, key, new.to_json(), expected_version=latest.version if latest else 0,
+                    due=due, expires=expires,
                 )
                 return new
             except VersionConflict:
@@ -302,6 +303,7 @@ _HEADER = '''\
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from botmesh.core.errors import VersionConflict
