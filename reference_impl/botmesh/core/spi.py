@@ -168,6 +168,11 @@ class DurableKv(ABC):
         ascending by key (code-point order)."""
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+"""``json.dumps(value, allow_nan=False, separators=(",", ":"))`` without building an
+encoder per call."""
+
+
 def encode_json_object(value: Any) -> str:
     """``value`` encoded as compact JSON text, raising ``TypeError`` when it is not a
     JSON object (``ValueError`` for NaN/infinity and for nesting too deep to encode):
@@ -176,7 +181,7 @@ def encode_json_object(value: Any) -> str:
     if not isinstance(value, dict):
         raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
     try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+        return _ENCODER.encode(value)
     except RecursionError:
         raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
 
