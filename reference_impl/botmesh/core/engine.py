@@ -35,7 +35,6 @@ Choices where the spec is silent (also in the README):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import uuid
@@ -44,9 +43,9 @@ from typing import Any, Generic
 
 from . import content as contentlib
 from .backend import DurabilityBackend
-from .clock import RealClock
 from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
+from .heartbeat import ChatOrder, Heartbeat
 from .host import BotHost, CtxT, HandlerContext
 from .inputs import MAX_ID_CHARS, check_key
 from .keylocks import KeyLocks, acquire_waiting
@@ -180,15 +179,9 @@ class DurabilityRuntime(Generic[CtxT]):
             lock = self._chat_locks[chat_id] = asyncio.Lock()
         return lock
 
-    @contextlib.asynccontextmanager
-    async def _in_chat_order(self, chat_id: str) -> Any:
+    def _in_chat_order(self, chat_id: str) -> ChatOrder:
         """Hold the chat's lock (OUT-11); waiting for it is not busy work."""
-        lock = self._chat_lock(chat_id)
-        await acquire_waiting(self.clock, lock)
-        try:
-            yield
-        finally:
-            lock.release()
+        return ChatOrder(self.clock, self._chat_lock(chat_id))
 
     async def _claim_inbound(self, id: str, *, recover: bool) -> InboxRecord | None:
         return await self.backend.inbox_claim(
@@ -203,40 +196,9 @@ class DurabilityRuntime(Generic[CtxT]):
         )
 
     # -- heartbeat (LEASE-1) ------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Any:
-        """Renew the lease every ``lease_ms / 3`` while the block runs. On the real clock
-        the wait for the first beat is a timer, not a task: most blocks end before it,
-        and then no task was made (one task and its cancellation saved per block)."""
-        async def beats(sleep_first: bool) -> None:
-            while True:
-                if sleep_first:
-                    await self.clock.sleep(lease_ms / 3.0)
-                sleep_first = True
-                with self.clock.busy():
-                    if not await beat(self._now() + lease_ms):
-                        return
-
-        started: list[asyncio.Task[None]] = []
-        timer: asyncio.TimerHandle | None = None
-        if type(self.clock) is RealClock:
-            timer = asyncio.get_running_loop().call_later(
-                max(0.0, lease_ms / 3.0) / 1000.0, lambda: started.append(asyncio.ensure_future(beats(False)))
-            )
-        else:
-            started.append(asyncio.ensure_future(beats(True)))
-        try:
-            yield
-        finally:
-            if timer is not None:
-                timer.cancel()
-            for task in started:
-                task.cancel()
-                await asyncio.wait({task})
-                if not task.cancelled() and task.exception() is not None:
-                    exc = task.exception()
-                    if not isinstance(exc, Exception):  # a simulated process death
-                        raise exc  # type: ignore[misc]
+    def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Heartbeat:
+        """Renew a lease every ``lease_ms / 3`` while the block runs (LEASE-1)."""
+        return Heartbeat(self.clock, beat, lease_ms)
 
     # -- inbox --------------------------------------------------------------------------
     def _serialize_event(self, event: InboundEvent) -> dict[str, Any]:
