@@ -182,6 +182,8 @@ def check_score(value: Any, argument: str) -> float | None:
     ``argument``."""
     if value is None:
         return None
+    if type(value) is float and value == value:  # the common case, NaN excluded
+        return value
     return _number(value, argument)
 
 

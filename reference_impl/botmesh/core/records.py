@@ -50,7 +50,14 @@ class _Record:
 
     @classmethod
     def from_json(cls: type[R], data: dict[str, Any]) -> R:
-        names = cls._fields()[1]
+        fields, names = cls._fields()
+        if len(data) == len(fields) and names.issuperset(data):
+            # every field and nothing else (what to_json of a record without extra
+            # gives): the values as they are, without __init__'s keyword matching
+            record = object.__new__(cls)
+            record.__dict__.update(data)
+            record.extra = {}
+            return record
         known = {}
         extra = {}
         for k, v in data.items():
