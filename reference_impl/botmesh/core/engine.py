@@ -49,6 +49,7 @@ from .heartbeat import ChatOrder, Heartbeat
 from .host import BotHost, CtxT, HandlerContext
 from .inputs import MAX_ID_CHARS, check_key
 from .keylocks import KeyLocks, acquire_waiting
+from .media import journal_media, rehydrate
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
 from .outcomes import METRIC_KEYS, SendResult, _Dead, _Failed, _Sent, derive_scope
@@ -202,8 +203,6 @@ class DurabilityRuntime(Generic[CtxT]):
 
     # -- inbox --------------------------------------------------------------------------
     def _serialize_event(self, event: InboundEvent) -> dict[str, Any]:
-        from .media import journal_media
-
         return {
             "id": event.id,
             "chat_id": event.chat_id,
@@ -265,8 +264,6 @@ class DurabilityRuntime(Generic[CtxT]):
 
     async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:
         """Run the handlers for a leased record and settle it (INB-2, INB-5, INB-6)."""
-        from .media import rehydrate
-
         self._local_inbound.add(record.id)
         if live_event is not None:  # admitted just now: journaled by this execution
             self._fresh_inbound.add(record.id)
