@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, VersionConflict
 from .records import InboxRecord, OutboxRecord, _Record
-from .spi import DurableKv, check_json_object, encode_json_object
+from .spi import DurableKv, check_json_object, encode_json_object, writing
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
 
@@ -124,10 +124,17 @@ class KvDurability(DurabilityBackend):
 
     # -- generic record transitions -----------------------------------------------------
     async def _put(
-        self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None, expires: float | None
+        self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None,
+        expires: float | None, text: str = "",
     ) -> None:
+        """CAS ``value`` at ``expected``; ``text``, when given, is its JSON encoding (the
+        kv's ``encode_json_object`` of ``value`` then reuses it: :func:`spi.writing`)."""
         try:
-            await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
+            if text:
+                with writing(value, text):
+                    await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
+            else:
+                await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
         except BackendUnavailableError:
             # Outcome unknown: the write may have landed. Read it back by key.
             self._forget(scope, space, key)
@@ -145,7 +152,7 @@ class KvDurability(DurabilityBackend):
         value = record.to_json()
         text = encode_json_object(value) if record.state in _LEASED else ""  # before the put: what it writes
         try:
-            await self._put(scope, space, key, value, 0, *indexes)
+            await self._put(scope, space, key, value, 0, *indexes, text)
         except VersionConflict:
             return False
         self._know(scope, space, key, 1, record.state, text)
@@ -180,7 +187,7 @@ class KvDurability(DurabilityBackend):
             value = new.to_json()
             text = encode_json_object(value) if new.state in _LEASED else ""
             try:
-                await self._put(scope, space, key, value, version, *indexes(new))
+                await self._put(scope, space, key, value, version, *indexes(new), text)
             except VersionConflict:
                 continue
             self._know(scope, space, key, version + 1, new.state, text)
