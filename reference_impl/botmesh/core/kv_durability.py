@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, VersionConflict
-from .records import InboxRecord, OutboxRecord, _Record
+from .records import InboxRecord, OutboxRecord
 from .spi import DurableKv, check_json_object, encode_json_object, writing
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
@@ -98,11 +98,10 @@ class KvDurability(DurabilityBackend):
         return await self.kv.durability_settings()
 
     @staticmethod
-    def _indexes(record: _Record) -> tuple[float | None, float | None]:
+    def _indexes(record: InboxRecord | OutboxRecord) -> tuple[float | None, float | None]:
         """The ``due`` and ``expires`` index entries of ``record``."""
         if isinstance(record, InboxRecord):
             return _inbox_indexes(record)
-        assert isinstance(record, OutboxRecord)
         return _outbox_indexes(record)
 
     # -- known versions ------------------------------------------------------------------
@@ -147,7 +146,7 @@ class KvDurability(DurabilityBackend):
             raise
 
     async def _create(
-        self, scope: str, space: str, key: str, record: _Record, indexes: tuple[float | None, float | None]
+        self, scope: str, space: str, key: str, record: InboxRecord | OutboxRecord, indexes: tuple[float | None, float | None]
     ) -> bool:
         value = record.to_json()
         text = encode_json_object(value) if record.state in _LEASED else ""  # before the put: what it writes
