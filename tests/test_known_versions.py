@@ -238,3 +238,33 @@ def test_a_record_deleted_behind_the_known_version_is_not_written_back() -> None
         assert await kv.get(SCOPE, "outbox", "in-1:1") is None
 
     run(body())
+
+
+@spec("BACK-7")
+def test_a_text_handed_to_the_kv_is_used_for_that_very_dict_only_while_it_is_written() -> None:
+    """``spi.writing`` (how ``KvDurability`` spares the kv a second encoding): inside the
+    block, ``encode_json_object`` of that dict returns the given text; an equal but other
+    dict is encoded itself; after the block a mutation of the dict is encoded, so a value
+    stored later is never an old text."""
+    from botmesh.core.spi import encode_json_object, writing
+
+    value: dict[str, Any] = {"a": [1]}
+    other: dict[str, Any] = {"a": [1]}
+    with writing(value, '{"a":[1]}'):
+        assert encode_json_object(value) == '{"a":[1]}'
+        assert encode_json_object(other) == '{"a":[1]}'
+        other["a"].append(2)
+        assert encode_json_object(other) == '{"a":[1,2]}', "another dict must be encoded, not given the text"
+    value["a"].append(3)
+    assert encode_json_object(value) == '{"a":[1,3]}', "after the block the dict must be encoded afresh"
+
+    async def body() -> None:
+        kv = MemoryKv()
+        given: dict[str, Any] = {"n": [1]}
+        with writing(given, '{"n":[1]}'):
+            await kv.put(SCOPE, "inbox", "k", given, expected_version=0)
+        given["n"].append(2)
+        found = await kv.get(SCOPE, "inbox", "k")
+        assert found == Versioned({"n": [1]}, 1), f"the kv must keep what was written, got {found!r}"
+
+    run(body())
