@@ -1,7 +1,8 @@
 """The engine's per-message path after issue 16: what one message costs the journal
-(writes only, no reads), and that the reads it saves never cost a guarantee — a send
-journaled before under a fresh inbound's derived key is still answered from the outbox,
-and heartbeats still run on the real clock, whose first beat is now a timer.
+(four writes and the one read of the reply's key), that a send journaled before under a
+reply's key is still answered from the outbox with its ``before("send")`` hooks not run
+again (OUT-10: explore found it when that read was skipped too), and that heartbeats
+still run on the real clock, whose first beat is now a timer.
 
 Async code runs through ``asyncio.run`` inside plain tests. Nothing here times anything:
 the real-clock test waits for events, with a long timeout only so that a broken
@@ -58,11 +59,13 @@ def replying_bot(kv: MemoryKv, provider: MockProvider, **durability: Any) -> Bot
     return bot
 
 
-@spec("INB-1", "OUT-1")
-def test_a_message_costs_four_journal_writes_and_no_read() -> None:
+@spec("INB-1", "OUT-1", "OUT-2")
+def test_a_message_costs_four_journal_writes_and_one_read() -> None:
     """One inbound and one reply: the inbound journaled, the reply journaled in state
-    ``sending``, marked sent, the inbound completed — four CAS writes, and no read of
-    the journal (the engine knows the records it just wrote). Replies all went out."""
+    ``sending``, marked sent, the inbound completed — four CAS writes; one read, the
+    lookup of the reply's key before its hooks run (OUT-2, OUT-10). No read before a
+    CAS (the records were written last by this instance) and no lookup of a next part
+    after a whole reply. Replies all went out."""
 
     async def body() -> Counter[str]:
         kv = CountingKv()
@@ -79,23 +82,25 @@ def test_a_message_costs_four_journal_writes_and_no_read() -> None:
         return calls
 
     calls = run(body())
-    assert calls == Counter(put=20), f"5 messages: expected 20 writes and no read, got {dict(calls)}"
+    assert calls == Counter(put=20, get=5), f"5 messages: expected 20 writes and 5 reads, got {dict(calls)}"
 
 
-@spec("OUT-2", "OUT-5", "INB-4")
+@spec("OUT-2", "OUT-5", "OUT-10")
 @pytest.mark.parametrize("recorded_text", ["ok", "something else"], ids=["same-content", "diverged"])
 def test_a_fresh_inbound_whose_reply_key_is_in_the_outbox_is_answered_from_it(recorded_text: str) -> None:
-    """An inbound journaled just now skips looking its replies' keys up (no earlier
-    execution can have recorded them), but a record left under such a key (by a purged
-    inbound record of the same id, say) is still found by the journal write: the reply
-    is answered from the outbox (OUT-2), not sent again; content other than recorded is
+    """An inbound journaled just now whose reply's derived key is recorded already (an
+    explicit key of another send, or a record left by a purged inbound of the same id):
+    the reply is answered from the outbox (OUT-2), not sent again, and the
+    ``before("send")`` hooks do not run for it (OUT-10); content other than recorded is
     counted as diverged and sent under a key of its own (OUT-5, ``on_diverged`` default
-    ``send``), the recorded one left as it was."""
+    ``send``), the hooks running once for it, the recorded one left as it was."""
 
-    async def body() -> tuple[list[str], dict[str, int], OutboxRecord | None]:
+    async def body() -> tuple[list[str], dict[str, int], OutboxRecord | None, list[Any]]:
         kv = MemoryKv()
         provider = MockProvider()
         bot = replying_bot(kv, provider, poll_ms="1h")
+        hooked: list[Any] = []
+        bot.before("send", lambda chat_id, content: hooked.append(content.get("text")))
         await bot.start()
         assert bot.durability is not None
         scope, backend = bot.durability.scope, bot.durability.backend
@@ -111,16 +116,18 @@ def test_a_fresh_inbound_whose_reply_key_is_in_the_outbox_is_answered_from_it(re
         inbound = await backend.inbox_get(scope, "m1")
         await bot.stop()
         assert inbound is not None and inbound.state == "done"
-        return provider.texts(), metrics, stored
+        return provider.texts(), metrics, stored, hooked
 
-    texts, metrics, stored = run(body())
+    texts, metrics, stored, hooked = run(body())
     if recorded_text == "ok":
         assert texts == [], f"the recorded reply must not be sent again; sent {texts}"
         assert metrics["outbox_deduped"] == 1, metrics
         assert metrics["outbox_diverged"] == 0, metrics
+        assert hooked == [], f"the hooks ran for a send answered from the outbox: {hooked}"
     else:
         assert metrics["outbox_diverged"] == 1, metrics
         assert texts == ["ok"], f"on_diverged=send: the new content is sent once; sent {texts}"
+        assert hooked == ["ok"], f"the hooks must run once, for the new send: {hooked}"
     assert stored is not None and (stored.state, stored.message_id) == ("sent", "earlier")
 
 

@@ -110,7 +110,6 @@ class DurabilityRuntime(Generic[CtxT]):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweep_task: asyncio.Task[None] | None = None
         self._local_inbound: set[str] = set()
-        self._fresh_inbound: set[str] = set()  # journaled by the admit now executing them (_record_send)
         self._chat_locks: dict[str, asyncio.Lock] = {}
         self._key_locks = KeyLocks(self.clock)  # OUT-2, OUT-10: one send per key at a time
         self._seq = 0
@@ -265,8 +264,6 @@ class DurabilityRuntime(Generic[CtxT]):
     async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:
         """Run the handlers for a leased record and settle it (INB-2, INB-5, INB-6)."""
         self._local_inbound.add(record.id)
-        if live_event is not None:  # admitted just now: journaled by this execution
-            self._fresh_inbound.add(record.id)
         scope, b = self.scope, self.backend
         try:
             async with self._heartbeat(
@@ -297,7 +294,6 @@ class DurabilityRuntime(Generic[CtxT]):
                     self._count("stale_leases")
         finally:
             self._local_inbound.discard(record.id)
-            self._fresh_inbound.discard(record.id)
 
     async def _inbox_failed(self, record: InboxRecord, exc: BaseException) -> None:
         now = self._now()
@@ -534,8 +530,7 @@ class DurabilityRuntime(Generic[CtxT]):
                 return await self._bypass(chat_id, content, str(exc))
             async with self._in_chat_order(chat_id), self._key_locks.hold(key):  # OUT-11, OUT-2
                 try:
-                    fresh = rule == "derived" and ctx is not None and ctx.record_id in self._fresh_inbound
-                    step = await self._record_send(chat_id, content, key, rule, fp, ctx, fresh=fresh)
+                    step = await self._record_send(chat_id, content, key, rule, fp, ctx)
                     if isinstance(step, SendResult):
                         return step
                     rec, existed, alone = step
@@ -568,23 +563,19 @@ class DurabilityRuntime(Generic[CtxT]):
         return key if existing is None else existing
 
     async def _record_send(
-        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None,
-        *, fresh: bool = False,
+        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None
     ) -> SendResult | tuple[OutboxRecord, bool, bool]:
         """Find or journal the outbox record of a send (OUT-1, OUT-2, OUT-5): the record,
         whether it existed, and whether this call journaled it whole in state ``sending``
         (``_inline``'s ``alone``); or the result when nothing is to be sent now.
 
-        ``fresh``: the key is derived from an inbound record this very execution
-        journaled (``admit``), so no earlier execution can have recorded the send and it
-        is not looked up first (a read saved per message). Should the journal hold it
-        anyway (left by a purged inbound record of the same id, outliving it), the send
-        goes the way of a found one, its ``before("send")`` hooks having run once more."""
-        if not fresh:
-            found = await self._find_send(key, rule, fp)
-            if isinstance(found, OutboxRecord):
-                return found, True, False
-            key = found
+        The key is looked up before the ``before("send")`` hooks run, also for a reply of
+        an inbound record journaled just now: any send may have used it as an explicit
+        key, and then the hooks must not run (OUT-10; found by explore)."""
+        found = await self._find_send(key, rule, fp)
+        if isinstance(found, OutboxRecord):
+            return found, True, False
+        key = found
         prepared = await self.bot.run_before_send(chat_id, content)
         if prepared is None:
             return SendResult(None, key, state="cancelled")
@@ -593,8 +584,6 @@ class DurabilityRuntime(Generic[CtxT]):
             return encoded
         rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
         if not created:
-            if fresh:  # recorded before after all: as if it had been looked up
-                return await self._record_send(chat_id, content, key, rule, fp, ctx)
             return rec, True, False  # another process journaled this key meanwhile (OUT-2)
         if rec.state != "sending":  # split into parts (OUT-12)
             claim = await self._claim_send(key, recover=False)
