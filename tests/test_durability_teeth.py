@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import inspect
+import json
 import textwrap
 from typing import Any
 
@@ -46,8 +47,8 @@ pytest_plugins = ["pytester"]
 def patch_record(kv: MemoryKv, scope: str, space: str, key: str, **changes: Any) -> None:
     """Overwrite fields of a stored record behind KvDurability's back (index entries
     kept): how the bugs below are planted."""
-    value, version, due, expires = kv._space(scope, space)[key]
-    kv._space(scope, space)[key] = ({**value, **changes}, version + 1, due, expires)
+    value, version, due, expires = kv._space(scope, space)[key]  # the value as JSON text
+    kv._space(scope, space)[key] = (json.dumps({**json.loads(value), **changes}), version + 1, due, expires)
 
 
 class NeverExpiringLease(KvDurability):
@@ -205,20 +206,21 @@ class RacyClaims(KvDurability):
     record, awaits (an I/O round trip), then writes over whatever version is current
     instead of compare-and-set on the version it read."""
 
-    async def _transition(self, scope: str, space: str, key: str, change: Any, indexes: Any) -> Any:
+    async def _transition(self, scope: str, space: str, key: str, cls: Any, change: Any) -> Any:
         current = await self.kv.get(scope, space, key)
         if current is None:
             return None
-        new = change(current.value)
+        new = change(cls.from_json(current.value))
         if new is None:
             return None
         await asyncio.sleep(0)
-        due, expires = indexes(new)
+        due, expires = self._indexes(new)
         while True:  # last write wins
             latest = await self.kv.get(scope, space, key)
             try:
                 await self.kv.put(
-                    scope, space, key, new, expected_version=latest.version if latest else 0, due=due, expires=expires
+                    scope, space, key, new.to_json(), expected_version=latest.version if latest else 0,
+                    due=due, expires=expires,
                 )
                 return new
             except VersionConflict:
@@ -301,6 +303,7 @@ _HEADER = '''\
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from botmesh.core.errors import VersionConflict

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from botmesh.core import Bot, Flow, MemoryDurability, MemoryStore, ProviderError, RateLimitedError
-from botmesh.core.content import part_key
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.provider import (
     OutsideSessionWindowError,
@@ -655,28 +654,41 @@ async def test_durable_bot_with_a_memory_store_and_persistent_flows_warns(tmp_pa
 
 
 # -- INB-2 against a journal that fails under a send ----------------------------------------
-class _FailsOnceOnGet(MemoryDurability):
-    """``outbox_get`` of one key fails once, as a dropped connection does."""
+class _FailsOnce(MemoryDurability):
+    """``outbox_get`` or ``outbox_journal`` of one key fails once, as a dropped
+    connection does. (Before issue 16 the engine also looked for a next part after a
+    whole send, the second place such a failure landed; it no longer does.)"""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, method: str, key: str) -> None:
         super().__init__()
-        self.key, self.failed = key, False
+        self.method, self.key, self.failed = method, key, False
+
+    def _fail(self, method: str, key: str) -> None:
+        if method == self.method and key == self.key and not self.failed:
+            self.failed = True
+            raise BackendUnavailableError(f"connection reset under {method}")
 
     async def outbox_get(self, scope: str, key: str) -> Any:
-        if key == self.key and not self.failed:
-            self.failed = True
-            raise BackendUnavailableError("connection reset under outbox_get")
+        self._fail("outbox_get", key)
         return await super().outbox_get(scope, key)
+
+    async def outbox_journal(self, scope: str, record: Any) -> Any:
+        self._fail("outbox_journal", record.key)
+        return await super().outbox_journal(scope, record)
 
 
 @spec("INB-2", "INB-5", "INB-9", "OUT-2")
-@pytest.mark.parametrize("failing_key", ["m1:2", part_key("m1:1", 2)], ids=["before-journaling-reply-2", "after-sending-reply-1"])
-async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(failing_key: str, tmp_path: Any) -> None:
-    """The journal fails under a handler's send — before the second reply was journaled,
-    or in the bookkeeping right after the first was sent (looking for its next part): the
-    handler is cut short, so the inbound record is not completed (INB-2) but retried with
-    backoff; the replay answers the first reply from the outbox and sends the second."""
-    backend = _FailsOnceOnGet(failing_key)
+@pytest.mark.parametrize(("method", "failing_key", "deduped"), [
+    ("outbox_get", "m1:2", 1), ("outbox_journal", "m1:2", 1), ("outbox_journal", "m1:1", 0),
+], ids=["looking-up-reply-2", "journaling-reply-2", "journaling-reply-1"])
+async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(
+    method: str, failing_key: str, deduped: int, tmp_path: Any
+) -> None:
+    """The journal fails under a handler's send — looking up or journaling the second
+    reply, after the first was sent, or journaling the first: the handler is cut short,
+    so the inbound record is not completed (INB-2) but retried with backoff; the replay
+    answers a reply sent before from the outbox and sends the rest."""
+    backend = _FailsOnce(method, failing_key)
 
     class Harness(MemoryHarness):
         async def open(self) -> Any:
@@ -692,5 +704,5 @@ async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(fa
     assert world.channel.texts() == ["one:hi", "two:hi"]
     rec = await world.bot.durability.inbox.get("m1")
     assert (rec.state, rec.attempts) == ("done", 2)
-    assert world.bot.durability.metrics()["outbox_deduped"] == 1
+    assert world.bot.durability.metrics()["outbox_deduped"] == deduped
     await world.close()

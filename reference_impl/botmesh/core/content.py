@@ -97,13 +97,18 @@ def decode(encoded: dict[str, Any]) -> dict[str, Any]:
     return decoded
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+# (built once: json.dumps with options builds an encoder per call)
+
+
 def encoded_size(encoded: dict[str, Any]) -> int:
-    return len(json.dumps(encoded, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    return len(_COMPACT.encode(encoded).encode("utf-8"))
 
 
 def fingerprint(chat_id: str, encoded: dict[str, Any]) -> str:
     """Hash of chat + content (OUT-5), stable across processes and versions."""
-    canon = json.dumps([chat_id, encoded], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canon = _CANONICAL.encode([chat_id, encoded])
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:32]
 
 

@@ -1,6 +1,10 @@
 """The durability engine: the inbox and outbox journals at work (INB, OUT, LEASE, SCOPE,
 RETRY, OPS, MEDIA, GUAR of the spec).
 
+Over 800 lines: the inbound path, the send path and the sweep's driver share one
+runtime's state (chat and key locks, the records executing here, counters); the parts
+that stand alone are already apart (``sweep``, ``outcomes``, ``keylocks``, ``content``).
+
 One :class:`DurabilityRuntime` per bot. It owns no storage: every journal write goes to
 the :class:`~botmesh.core.backend.DurabilityBackend`, every reading of time to the bot's
 clock. Each unit of work runs inside ``clock.busy()`` so a virtual clock knows when it
@@ -31,7 +35,6 @@ Choices where the spec is silent (also in the README):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import uuid
@@ -42,9 +45,11 @@ from . import content as contentlib
 from .backend import DurabilityBackend
 from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
+from .heartbeat import ChatOrder, Heartbeat
 from .host import BotHost, CtxT, HandlerContext
 from .inputs import MAX_ID_CHARS, check_key
 from .keylocks import KeyLocks, acquire_waiting
+from .media import journal_media, rehydrate
 from .provider import InboundEvent, RateLimitedError, is_definitive
 from .records import InboxRecord, OutboxRecord
 from .outcomes import METRIC_KEYS, SendResult, _Dead, _Failed, _Sent, derive_scope
@@ -174,15 +179,9 @@ class DurabilityRuntime(Generic[CtxT]):
             lock = self._chat_locks[chat_id] = asyncio.Lock()
         return lock
 
-    @contextlib.asynccontextmanager
-    async def _in_chat_order(self, chat_id: str) -> Any:
+    def _in_chat_order(self, chat_id: str) -> ChatOrder:
         """Hold the chat's lock (OUT-11); waiting for it is not busy work."""
-        lock = self._chat_lock(chat_id)
-        await acquire_waiting(self.clock, lock)
-        try:
-            yield
-        finally:
-            lock.release()
+        return ChatOrder(self.clock, self._chat_lock(chat_id))
 
     async def _claim_inbound(self, id: str, *, recover: bool) -> InboxRecord | None:
         return await self.backend.inbox_claim(
@@ -197,30 +196,12 @@ class DurabilityRuntime(Generic[CtxT]):
         )
 
     # -- heartbeat (LEASE-1) ------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Any:
-        async def loop() -> None:
-            while True:
-                await self.clock.sleep(lease_ms / 3.0)
-                with self.clock.busy():
-                    if not await beat(self._now() + lease_ms):
-                        return
-
-        task = asyncio.ensure_future(loop())
-        try:
-            yield
-        finally:
-            task.cancel()
-            await asyncio.wait({task})
-            if not task.cancelled() and task.exception() is not None:
-                exc = task.exception()
-                if not isinstance(exc, Exception):  # a simulated process death
-                    raise exc  # type: ignore[misc]
+    def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Heartbeat:
+        """Renew a lease every ``lease_ms / 3`` while the block runs (LEASE-1)."""
+        return Heartbeat(self.clock, beat, lease_ms)
 
     # -- inbox --------------------------------------------------------------------------
     def _serialize_event(self, event: InboundEvent) -> dict[str, Any]:
-        from .media import journal_media
-
         return {
             "id": event.id,
             "chat_id": event.chat_id,
@@ -282,8 +263,6 @@ class DurabilityRuntime(Generic[CtxT]):
 
     async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:
         """Run the handlers for a leased record and settle it (INB-2, INB-5, INB-6)."""
-        from .media import rehydrate
-
         self._local_inbound.add(record.id)
         scope, b = self.scope, self.backend
         try:
@@ -523,6 +502,7 @@ class DurabilityRuntime(Generic[CtxT]):
             scope, rec.key, token=rec.token, message_id=str(message_id), now=self._now(), expires_at=self._expires()
         ):
             self._count("stale_leases")  # LEASE-2: another owner took it over meanwhile
+            return _Sent(str(message_id), settled=False)
         return _Sent(str(message_id))
 
     async def _after_send(self, rec: OutboxRecord, message_id: str) -> None:
@@ -553,10 +533,10 @@ class DurabilityRuntime(Generic[CtxT]):
                     step = await self._record_send(chat_id, content, key, rule, fp, ctx)
                     if isinstance(step, SendResult):
                         return step
-                    rec, existed = step
+                    rec, existed, alone = step
                     if existed:
                         return await self._drive_existing(rec)
-                    return await self._inline(rec)
+                    return await self._inline(rec, alone=alone)
                 except DurabilityError as exc:
                     # The journal failed under this send (before it was recorded, or in
                     # the bookkeeping after it): the handler is cut short, so its later
@@ -567,11 +547,9 @@ class DurabilityRuntime(Generic[CtxT]):
                         ctx.durability_failed = exc
                     raise
 
-    async def _record_send(
-        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None
-    ) -> SendResult | tuple[OutboxRecord, bool]:
-        """Find or journal the outbox record of a send (OUT-1, OUT-2, OUT-5): the record
-        and whether it existed, or the result when nothing is to be sent now."""
+    async def _find_send(self, key: str, rule: str, fp: str) -> OutboxRecord | str:
+        """The record of a send journaled before under ``key`` (OUT-2), or the key to
+        journal it under: ``key``, or a new one when a replay diverged (OUT-5)."""
         existing = await self.backend.outbox_get(self.scope, key)
         if existing is not None and rule == "derived" and existing.fingerprint != fp:  # OUT-5
             self._count("outbox_diverged")
@@ -582,8 +560,22 @@ class DurabilityRuntime(Generic[CtxT]):
             if self.config.outbox.on_diverged == "send":
                 key = f"{key}~{fp[:12]}"
                 existing = await self.backend.outbox_get(self.scope, key)
-        if existing is not None:
-            return existing, True
+        return key if existing is None else existing
+
+    async def _record_send(
+        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None
+    ) -> SendResult | tuple[OutboxRecord, bool, bool]:
+        """Find or journal the outbox record of a send (OUT-1, OUT-2, OUT-5): the record,
+        whether it existed, and whether this call journaled it whole in state ``sending``
+        (``_inline``'s ``alone``); or the result when nothing is to be sent now.
+
+        The key is looked up before the ``before("send")`` hooks run, also for a reply of
+        an inbound record journaled just now: any send may have used it as an explicit
+        key, and then the hooks must not run (OUT-10; found by explore)."""
+        found = await self._find_send(key, rule, fp)
+        if isinstance(found, OutboxRecord):
+            return found, True, False
+        key = found
         prepared = await self.bot.run_before_send(chat_id, content)
         if prepared is None:
             return SendResult(None, key, state="cancelled")
@@ -591,14 +583,14 @@ class DurabilityRuntime(Generic[CtxT]):
         if isinstance(encoded, SendResult):
             return encoded
         rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
-        if not created:  # another process journaled this key meanwhile (OUT-2)
-            return rec, True
-        if rec.state != "sending":
+        if not created:
+            return rec, True, False  # another process journaled this key meanwhile (OUT-2)
+        if rec.state != "sending":  # split into parts (OUT-12)
             claim = await self._claim_send(key, recover=False)
             if claim is None:
                 return SendResult(None, key, state="pending")
-            rec = claim[0]
-        return rec, False
+            return claim[0], False, False
+        return rec, False, True
 
     async def _journal_new(
         self, key: str, rule: str, chat_id: str, encoded: dict[str, Any], fp: str, ctx: HandlerContext | None, *, origin: str
@@ -651,9 +643,15 @@ class DurabilityRuntime(Generic[CtxT]):
         new = await self._split_claimed(new)
         return await self._inline(new)
 
-    async def _inline(self, rec: OutboxRecord) -> SendResult:
+    async def _inline(self, rec: OutboxRecord, *, alone: bool = False) -> SendResult:
         """Send a claimed record and its later parts, retrying inline for up to
-        ``outbox.inline_max_ms`` (OUT-9), then raising ``SendDeferredError``."""
+        ``outbox.inline_max_ms`` (OUT-9), then raising ``SendDeferredError``.
+
+        ``alone``: ``rec`` was journaled by this very send, whole (one part, directly in
+        state ``sending``). When its ``mark_sent`` then takes at the first attempt, nobody
+        claimed it in between (LEASE-2) — splitting a record takes a claim, or a state
+        other than ``sending`` — so no later part can exist and none is looked for (a
+        read saved per message)."""
         started = self._now()
         first_key = rec.key
         ids: list[str] = []
@@ -662,7 +660,7 @@ class DurabilityRuntime(Generic[CtxT]):
             if isinstance(outcome, _Sent):
                 ids.append(outcome.message_id)
                 await self._after_send(rec, outcome.message_id)
-                nxt = await self._next_part(rec)
+                nxt = None if alone and outcome.settled else await self._next_part(rec)
                 if nxt is None:
                     return SendResult(ids[0], first_key, ids)
                 rec = nxt
@@ -681,6 +679,7 @@ class DurabilityRuntime(Generic[CtxT]):
                 raise SendDeferredError(first_key, outcome.error, part_key=rec.key)
             self._count("outbox_retried")
             rec = claim[0]
+            alone = False  # it was failed meanwhile: another process may have split it (OUT-13)
 
     async def _following_part(self, rec: OutboxRecord) -> OutboxRecord | None:
         """The part journaled right after ``rec`` (linked by ``previous_part``), if any

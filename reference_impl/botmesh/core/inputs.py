@@ -135,10 +135,21 @@ def check_name(value: Any, argument: str) -> str:
     return value
 
 
+_GOOD_NAMES: set[str] = set()
+"""Scope and space names found good already (``str`` exactly): a kv call names the same
+few again and again, so their check is a set lookup (issue 16). Bounded."""
+_MAX_GOOD_NAMES = 4096
+
+
 def check_space(scope: Any, space: Any) -> None:
     """``scope`` and ``space`` of a kv call (:func:`check_name` each)."""
-    check_name(scope, "scope")
-    check_name(space, "space")
+    good = _GOOD_NAMES
+    for value, argument in ((scope, "scope"), (space, "space")):
+        if type(value) is str and value in good:
+            continue
+        check_name(value, argument)
+        if type(value) is str and len(good) < _MAX_GOOD_NAMES:
+            good.add(value)
 
 
 def check_record(scope: Any, space: Any, key: Any) -> None:
@@ -171,6 +182,8 @@ def check_score(value: Any, argument: str) -> float | None:
     ``argument``."""
     if value is None:
         return None
+    if type(value) is float and value == value:  # the common case, NaN excluded
+        return value
     return _number(value, argument)
 
 

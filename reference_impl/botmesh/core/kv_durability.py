@@ -7,13 +7,14 @@ in :mod:`botmesh.core.memory`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, KvContractError, VersionConflict
 from .records import InboxRecord, OutboxRecord
-from .spi import DurableKv, check_json_object
+from .spi import DurableKv, check_json_object, encode_json_object, writing
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
 
@@ -22,6 +23,8 @@ __all__ = ["KvDurability"]
 INBOX = "inbox"
 OUTBOX = "outbox"
 _MAX_CAS_ROUNDS = 64
+_MAX_KNOWN = 1024  # known versions kept at most (the oldest go first)
+_LEASED = frozenset({"leased", "sending"})
 
 
 def _inbox_indexes(rec: InboxRecord) -> tuple[float | None, float | None]:
@@ -47,11 +50,24 @@ def _outbox_indexes(rec: OutboxRecord) -> tuple[float | None, float | None]:
 class KvDurability(DurabilityBackend):
     """Turns any :class:`DurableKv` into a complete durability backend (BACK-7).
 
-    Every operation is a read followed by a compare-and-set of one record, repeated when
-    another writer got there first; so claims are exclusive and fencing holds across
-    every process (and host) the kv itself serves. When a write fails with
-    ``BackendUnavailableError`` its outcome is unknown: the record is read back once, and
-    the write counts as done only when the stored value is exactly the one written.
+    Every operation is a compare-and-set of one record on the version it was computed
+    from, repeated from a fresh read when another writer got there first; so claims are
+    exclusive and fencing holds across every process (and host) the kv itself serves.
+    When a write fails with ``BackendUnavailableError`` its outcome is unknown: the record
+    is read back once, and the write counts as done only when the stored value is exactly
+    the one written.
+
+    **Known versions.** The record is read before the write unless this instance wrote it
+    last itself and it still holds a lease (``leased``/``sending``): then the version and
+    value of that write are used (at most 1,024 such records are kept, the oldest dropped
+    first; all are dropped by ``start()``/``stop()``). A known version another writer has
+    overtaken fails its CAS like a stale read would, and the write is computed again from
+    a fresh read; a transition that declines (a token that no longer matches, say) is
+    answered from a fresh read only. So the per-message path (a journal write, a
+    transition of the same record) costs no read. The one case a version cannot tell is
+    a record deleted and created again up to the same version between two writes of
+    ours (only after an operator's ``outbox_discard`` or the retention purge of a record
+    taken over from us); the fencing token cannot tell it either.
 
     ``own_kv``: ``start()``/``stop()`` open and close the kv (True), or the kv belongs to
     whoever opened it (``FileDurability.open`` keeps it open across bots until
@@ -63,12 +79,17 @@ class KvDurability(DurabilityBackend):
         self.own_kv = own_kv
         self.name = name or type(kv).__name__
         self.capabilities = kv.capabilities
+        # (scope, space, key) -> (version, record as JSON text) that this instance's own
+        # last CAS wrote, for records that hold a lease (see _know)
+        self._known: dict[tuple[str, str, str], tuple[int, str]] = {}
 
     async def start(self) -> None:
+        self._known.clear()
         if self.own_kv:
             await self.kv.open()
 
     async def stop(self) -> None:
+        self._known.clear()
         if self.own_kv:
             await self.kv.close()
 
@@ -76,82 +97,107 @@ class KvDurability(DurabilityBackend):
         """The kv's (:meth:`DurableKv.durability_settings`)."""
         return await self.kv.durability_settings()
 
+    @staticmethod
+    def _indexes(record: InboxRecord | OutboxRecord) -> tuple[float | None, float | None]:
+        """The ``due`` and ``expires`` index entries of ``record``."""
+        if isinstance(record, InboxRecord):
+            return _inbox_indexes(record)
+        return _outbox_indexes(record)
+
+    # -- known versions ------------------------------------------------------------------
+    def _know(self, scope: str, space: str, key: str, version: int, state: str, text: str) -> None:
+        """Keep ``text`` (the record as JSON) as the value of ``key`` at ``version`` after
+        our own CAS wrote it — only while it holds a lease (``leased``/``sending``: the
+        records whose next write is ours and near) — so the next transition needs no
+        read. Kept as JSON text, so nothing the caller does to its records can change it."""
+        k = (scope, space, key)
+        self._known.pop(k, None)  # re-inserted last: the oldest entry is evicted first
+        if state not in _LEASED:
+            return
+        if len(self._known) >= _MAX_KNOWN:
+            del self._known[next(iter(self._known))]
+        self._known[k] = (version, text)
+
+    def _forget(self, scope: str, space: str, key: str) -> None:
+        self._known.pop((scope, space, key), None)
+
     # -- generic record transitions -----------------------------------------------------
     async def _put(
-        self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None, expires: float | None
+        self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None,
+        expires: float | None, text: str = "",
     ) -> None:
+        """CAS ``value`` at ``expected``; ``text``, when given, is its JSON encoding (the
+        kv's ``encode_json_object`` of ``value`` then reuses it: :func:`spi.writing`)."""
         try:
-            await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
+            if text:
+                with writing(value, text):
+                    await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
+            else:
+                await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
         except BackendUnavailableError:
             # Outcome unknown: the write may have landed. Read it back by key.
+            self._forget(scope, space, key)
             after = await self.kv.get(scope, space, key)
             if after is not None and after.version == expected + 1 and after.value == check_json_object(value):
                 return
             raise
+        except VersionConflict:
+            self._forget(scope, space, key)
+            raise
 
     async def _create(
-        self, scope: str, space: str, key: str, value: dict[str, Any], due: float | None, expires: float | None
+        self, scope: str, space: str, key: str, record: InboxRecord | OutboxRecord, indexes: tuple[float | None, float | None]
     ) -> bool:
+        value = record.to_json()
+        text = encode_json_object(value) if record.state in _LEASED else ""  # before the put: what it writes
         try:
-            await self._put(scope, space, key, value, 0, due, expires)
-            return True
+            await self._put(scope, space, key, value, 0, *indexes, text)
         except VersionConflict:
             return False
+        self._know(scope, space, key, 1, record.state, text)
+        return True
 
     async def _transition(
-        self,
-        scope: str,
-        space: str,
-        key: str,
-        change: Callable[[dict[str, Any]], dict[str, Any] | None],
-        indexes: Callable[[dict[str, Any]], tuple[float | None, float | None]],
-    ) -> dict[str, Any] | None:
-        """Apply ``change`` to the current value with CAS; None when absent or when
-        ``change`` declines (returns None)."""
+        self, scope: str, space: str, key: str, cls: type[RecordT], change: Callable[[RecordT], RecordT | None]
+    ) -> RecordT | None:
+        """Apply ``change`` to the current record with CAS; None when absent or when
+        ``change`` declines (returns None).
+
+        The current record is the one this instance wrote last when it still knows it
+        (:meth:`_know`), else it is read. A write from a known version that another writer
+        overtook fails its CAS (``VersionConflict``) and the round is done again from a
+        fresh read; a decline is only ever answered from a fresh read."""
+        indexes = self._indexes
+        k = (scope, space, key)
         for _ in range(_MAX_CAS_ROUNDS):
-            current = await self.kv.get(scope, space, key)
-            if current is None:
-                return None
-            new = change(current.value)
+            known = self._known.pop(k, None)
+            if known is not None:
+                version, value = known[0], json.loads(known[1])
+            else:
+                current = await self.kv.get(scope, space, key)
+                if current is None:
+                    return None
+                version, value = current.version, current.value
+            new = change(cls.from_json(value))
             if new is None:
+                if known is not None:
+                    continue  # declined on what this instance knew: decide on a fresh read
                 return None
-            due, expires = indexes(new)
+            value = new.to_json()
+            text = encode_json_object(value) if new.state in _LEASED else ""
             try:
-                await self._put(scope, space, key, new, current.version, due, expires)
+                await self._put(scope, space, key, value, version, *indexes(new), text)
             except VersionConflict:
                 continue
+            self._know(scope, space, key, version + 1, new.state, text)
             return new
         raise DurabilityError(f"{space}/{key}: gave up after {_MAX_CAS_ROUNDS} conflicting writes")
 
-    def _in(self, change: Callable[[InboxRecord], InboxRecord | None]) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
-        def apply(value: dict[str, Any]) -> dict[str, Any] | None:
-            new = change(InboxRecord.from_json(value))
-            return None if new is None else new.to_json()
-
-        return apply
-
-    def _out(self, change: Callable[[OutboxRecord], OutboxRecord | None]) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
-        def apply(value: dict[str, Any]) -> dict[str, Any] | None:
-            new = change(OutboxRecord.from_json(value))
-            return None if new is None else new.to_json()
-
-        return apply
-
-    @staticmethod
-    def _in_idx(value: dict[str, Any]) -> tuple[float | None, float | None]:
-        return _inbox_indexes(InboxRecord.from_json(value))
-
-    @staticmethod
-    def _out_idx(value: dict[str, Any]) -> tuple[float | None, float | None]:
-        return _outbox_indexes(OutboxRecord.from_json(value))
-
     async def _in_tx(self, scope: str, id: str, change: Callable[[InboxRecord], InboxRecord | None]) -> InboxRecord | None:
-        new = await self._transition(scope, INBOX, id, self._in(change), self._in_idx)
-        return None if new is None else InboxRecord.from_json(new)
+        return await self._transition(scope, INBOX, id, InboxRecord, change)
 
     async def _out_tx(self, scope: str, key: str, change: Callable[[OutboxRecord], OutboxRecord | None]) -> OutboxRecord | None:
-        new = await self._transition(scope, OUTBOX, key, self._out(change), self._out_idx)
-        return None if new is None else OutboxRecord.from_json(new)
+        return await self._transition(scope, OUTBOX, key, OutboxRecord, change)
 
     async def _scan_records(self, scope: str, space: str, cls: type[RecordT], state: str | None, limit: int) -> list[RecordT]:
         result: list[RecordT] = []
@@ -178,9 +224,8 @@ class KvDurability(DurabilityBackend):
         self, scope: str, space: str, key: str, record: RecordT, indexes: tuple[float | None, float | None]
     ) -> tuple[RecordT, bool]:
         """Create unless the key exists; then return the stored record (INB-4, OUT-2)."""
-        value = record.to_json()
         for _ in range(2):  # a second round only when the record vanished in between
-            if await self._create(scope, space, key, value, *indexes):
+            if await self._create(scope, space, key, record, indexes):
                 return record, True
             found = await self.kv.get(scope, space, key)
             if found is not None:
@@ -193,6 +238,7 @@ class KvDurability(DurabilityBackend):
             current = await self.kv.get(scope, space, key)
             if current is None:
                 continue
+            self._forget(scope, space, key)
             try:
                 await self.kv.delete(scope, space, key, expected_version=current.version)
                 purged += 1
@@ -374,6 +420,7 @@ class KvDurability(DurabilityBackend):
 
     async def outbox_discard(self, scope: str, key: str) -> bool:
         for _ in range(_MAX_CAS_ROUNDS):
+            self._forget(scope, OUTBOX, key)
             current = await self.kv.get(scope, OUTBOX, key)
             if current is None:
                 return False

@@ -40,6 +40,8 @@ class SendResult:
 @dataclass
 class _Sent:
     message_id: str
+    settled: bool = True
+    """``mark_sent`` took (False: the lease had been taken over meanwhile, LEASE-2)."""
 
 
 @dataclass

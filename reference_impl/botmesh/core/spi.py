@@ -62,6 +62,7 @@ __all__ = [
     "Versioned",
     "check_index",
     "check_json_object",
+    "encode_json_object",
 ]
 
 
@@ -171,14 +172,56 @@ class DurableKv(ABC):
         ascending by key (code-point order)."""
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+"""``json.dumps(value, allow_nan=False, separators=(",", ":"))`` without building an
+encoder per call."""
+
+
+_WRITING: dict[int, tuple[dict[str, Any], str]] = {}
+"""Values being written whose JSON text is known already (:func:`writing`), by ``id``."""
+
+
+class writing:  # noqa: N801 - used as a function: ``with writing(value, text):``
+    """While the block runs, :func:`encode_json_object` of this very dict (``is``) returns
+    ``text`` (which must be its encoding) instead of encoding it again. ``KvDurability``
+    encodes a record once for what it remembers of its own writes and hands the same
+    dict to the kv's ``put``; a kv encoding it with ``encode_json_object`` (or
+    ``check_json_object``) then reuses the text. The entry holds the dict, so its ``id``
+    cannot be taken by another object meanwhile."""
+
+    __slots__ = ("_key", "_entry")
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        self._key = id(value)
+        self._entry = (value, text)
+
+    def __enter__(self) -> None:
+        _WRITING[self._key] = self._entry
+
+    def __exit__(self, *exc: object) -> None:
+        if _WRITING.get(self._key) is self._entry:
+            del _WRITING[self._key]
+
+
+def encode_json_object(value: Any) -> str:
+    """``value`` encoded as compact JSON text, raising ``TypeError`` when it is not a
+    JSON object (``ValueError`` for NaN/infinity and for nesting too deep to encode):
+    the one encoding a kv needs to store a value it must not alias. Decoding the text
+    gives what :func:`check_json_object` returns."""
+    known = _WRITING.get(id(value))
+    if known is not None and known[0] is value:
+        return known[1]
+    if not isinstance(value, dict):
+        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
+    try:
+        return _ENCODER.encode(value)
+    except RecursionError:
+        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
+
+
 def check_json_object(value: Any) -> dict[str, Any]:
     """Deep-copy ``value`` through JSON, raising ``TypeError`` when it is not a JSON
     object (``ValueError`` for NaN/infinity and for nesting too deep to encode). Backends
     use it so that what they store is what they return."""
-    if not isinstance(value, dict):
-        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
-    try:
-        result: dict[str, Any] = json.loads(json.dumps(value, allow_nan=False))
-    except RecursionError:
-        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
+    result: dict[str, Any] = json.loads(encode_json_object(value))
     return result

@@ -1,0 +1,190 @@
+"""The engine's per-message path after issue 16: what one message costs the journal
+(four writes and the one read of the reply's key), that a send journaled before under a
+reply's key is still answered from the outbox with its ``before("send")`` hooks not run
+again (OUT-10: explore found it when that read was skipped too), and that heartbeats
+still run on the real clock, whose first beat is now a timer.
+
+Async code runs through ``asyncio.run`` inside plain tests. Nothing here times anything:
+the real-clock test waits for events, with a long timeout only so that a broken
+heartbeat fails instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+from botmesh.core import Bot, MemoryStore
+from botmesh.core import content as contentlib
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+from botmesh.core.records import OutboxRecord
+from botmesh.core.spi import Versioned
+from botmesh.core.testing import MockProvider
+
+T = TypeVar("T")
+spec = pytest.mark.spec
+GUARD_S = 120.0  # only so that a missing heartbeat fails rather than hangs
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+class CountingKv(MemoryKv):
+    """A MemoryKv counting its calls by method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        self.calls["get"] += 1
+        return await super().get(scope, space, key)
+
+    async def put(self, scope: str, space: str, key: str, value: dict[str, Any], **kw: Any) -> int:
+        self.calls["put"] += 1
+        return await super().put(scope, space, key, value, **kw)
+
+
+def replying_bot(kv: MemoryKv, provider: MockProvider, **durability: Any) -> Bot:
+    bot = Bot(provider, MemoryStore(), {"backend": KvDurability(kv, name="counting"), **durability})
+
+    @bot.otherwise
+    async def reply(ctx: Any) -> None:
+        await ctx.reply("ok")
+
+    return bot
+
+
+@spec("INB-1", "OUT-1", "OUT-2")
+def test_a_message_costs_four_journal_writes_and_one_read() -> None:
+    """One inbound and one reply: the inbound journaled, the reply journaled in state
+    ``sending``, marked sent, the inbound completed — four CAS writes; one read, the
+    lookup of the reply's key before its hooks run (OUT-2, OUT-10). No read before a
+    CAS (the records were written last by this instance) and no lookup of a next part
+    after a whole reply. Replies all went out."""
+
+    async def body() -> Counter[str]:
+        kv = CountingKv()
+        provider = MockProvider()
+        bot = replying_bot(kv, provider, poll_ms="1h")  # no sweep pass in between
+        await bot.start()
+        await provider.receive("c1", "warm-up", id="warm")
+        kv.calls.clear()
+        for i in range(5):
+            await provider.receive("c1", "hi", id=f"m{i}")
+        calls = Counter(kv.calls)
+        await bot.stop()
+        assert provider.texts() == ["ok"] * 6
+        return calls
+
+    calls = run(body())
+    assert calls == Counter(put=20, get=5), f"5 messages: expected 20 writes and 5 reads, got {dict(calls)}"
+
+
+@spec("OUT-2", "OUT-5", "OUT-10")
+@pytest.mark.parametrize("recorded_text", ["ok", "something else"], ids=["same-content", "diverged"])
+def test_a_fresh_inbound_whose_reply_key_is_in_the_outbox_is_answered_from_it(recorded_text: str) -> None:
+    """An inbound journaled just now whose reply's derived key is recorded already (an
+    explicit key of another send, or a record left by a purged inbound of the same id):
+    the reply is answered from the outbox (OUT-2), not sent again, and the
+    ``before("send")`` hooks do not run for it (OUT-10); content other than recorded is
+    counted as diverged and sent under a key of its own (OUT-5, ``on_diverged`` default
+    ``send``), the hooks running once for it, the recorded one left as it was."""
+
+    async def body() -> tuple[list[str], dict[str, int], OutboxRecord | None, list[Any]]:
+        kv = MemoryKv()
+        provider = MockProvider()
+        bot = replying_bot(kv, provider, poll_ms="1h")
+        hooked: list[Any] = []
+        bot.before("send", lambda chat_id, content: hooked.append(content.get("text")))
+        await bot.start()
+        assert bot.durability is not None
+        scope, backend = bot.durability.scope, bot.durability.backend
+        content = contentlib.encode(contentlib.normalize(recorded_text))
+        left = OutboxRecord(key="m1:1", chat_id="c1", content=content,
+                            fingerprint=contentlib.fingerprint("c1", content), state="sent", message_id="earlier",
+                            created_at=1.0, updated_at=1.0, sent_at=1.0)
+        _, created = await backend.outbox_journal(scope, left)
+        assert created
+        await provider.receive("c1", "hi", id="m1")
+        metrics = bot.durability.metrics()
+        stored = await backend.outbox_get(scope, "m1:1")
+        inbound = await backend.inbox_get(scope, "m1")
+        await bot.stop()
+        assert inbound is not None and inbound.state == "done"
+        return provider.texts(), metrics, stored, hooked
+
+    texts, metrics, stored, hooked = run(body())
+    if recorded_text == "ok":
+        assert texts == [], f"the recorded reply must not be sent again; sent {texts}"
+        assert metrics["outbox_deduped"] == 1, metrics
+        assert metrics["outbox_diverged"] == 0, metrics
+        assert hooked == [], f"the hooks ran for a send answered from the outbox: {hooked}"
+    else:
+        assert metrics["outbox_diverged"] == 1, metrics
+        assert texts == ["ok"], f"on_diverged=send: the new content is sent once; sent {texts}"
+        assert hooked == ["ok"], f"the hooks must run once, for the new send: {hooked}"
+    assert stored is not None and (stored.state, stored.message_id) == ("sent", "earlier")
+
+
+class BeatSignals(KvDurability):
+    """Sets an event at the first inbox and at the first outbox heartbeat that lands."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryKv(), name="beats")
+        self.inbox_beat = asyncio.Event()
+        self.outbox_beat = asyncio.Event()
+
+    async def inbox_heartbeat(self, scope: str, id: str, **kw: Any) -> bool:
+        ok = await super().inbox_heartbeat(scope, id, **kw)
+        if ok:
+            self.inbox_beat.set()
+        return ok
+
+    async def outbox_heartbeat(self, scope: str, key: str, **kw: Any) -> bool:
+        ok = await super().outbox_heartbeat(scope, key, **kw)
+        if ok:
+            self.outbox_beat.set()
+        return ok
+
+
+@spec("LEASE-1")
+def test_heartbeats_renew_leases_on_the_real_clock() -> None:
+    """On the real clock the first beat of a lease is a timer (no task until it is due):
+    a handler and a provider call that outlast a third of their leases still get their
+    leases renewed, then complete with their token (no stale lease)."""
+
+    async def body() -> None:
+        backend = BeatSignals()
+
+        class SlowProvider(MockProvider):
+            async def send(self, chat_id: str, content: Any) -> str:
+                await asyncio.wait_for(backend.outbox_beat.wait(), GUARD_S)
+                return await super().send(chat_id, content)
+
+        provider = SlowProvider()
+        bot = Bot(provider, MemoryStore(), {"backend": backend, "poll_ms": "1h",
+                                            "inbox": {"lease_ms": "30ms"}, "outbox": {"lease_ms": "30ms"}})
+
+        @bot.otherwise
+        async def slow(ctx: Any) -> None:
+            await asyncio.wait_for(backend.inbox_beat.wait(), GUARD_S)
+            await ctx.reply("ok")
+
+        await bot.start()
+        await provider.receive("c1", "hi", id="m1")
+        assert bot.durability is not None
+        metrics = bot.durability.metrics()
+        inbound = await backend.inbox_get(bot.durability.scope, "m1")
+        outbound = await backend.outbox_get(bot.durability.scope, "m1:1")
+        await bot.stop()
+        assert provider.texts() == ["ok"]
+        assert metrics["stale_leases"] == 0, metrics
+        assert inbound is not None and (inbound.state, inbound.token) == ("done", 1)
+        assert outbound is not None and (outbound.state, outbound.token) == ("sent", 1)
+
+    run(body())

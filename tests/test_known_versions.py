@@ -1,0 +1,270 @@
+"""``KvDurability``'s known versions (issue 16): a transition of a record this instance
+wrote last itself, while it holds a lease, is written without reading it first — and
+still never loses another writer's update, never declines on what it only remembered,
+and never stores what a caller changed in its own objects afterwards.
+
+"Another writer" is a second ``KvDurability`` over the same kv (another process), or a
+raw ``put`` on the kv. Async code runs through ``asyncio.run`` inside plain tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+from botmesh.core.kv_durability import KvDurability
+from botmesh.core.memory import MemoryKv
+from botmesh.core.records import InboxRecord, OutboxRecord
+from botmesh.core.spi import Versioned
+
+T = TypeVar("T")
+spec = pytest.mark.spec
+SCOPE = "s"
+NOW = 1_000_000.0
+LEASE = 30_000.0
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+class CountingKv(MemoryKv):
+    """A MemoryKv that counts its reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = 0
+
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        self.gets += 1
+        return await super().get(scope, space, key)
+
+
+def leased_inbox(id: str = "in-1", owner: str = "a", token: int = 1) -> InboxRecord:
+    return InboxRecord(
+        id=id, chat_id="c", event={"id": id, "chat_id": "c", "text": "hi", "data": {"n": [1]}},
+        state="leased", attempts=1, token=token, owner=owner, incarnation="inc-" + owner,
+        lease_until=NOW + LEASE, claimed_at=NOW, created_at=NOW, updated_at=NOW,
+    )
+
+
+def sending_outbox(key: str = "in-1:1", owner: str = "a") -> OutboxRecord:
+    return OutboxRecord(
+        key=key, chat_id="c", content={"text": "ok", "extra": {"n": [1]}}, fingerprint="fp",
+        state="sending", attempts=1, token=1, owner=owner, incarnation="inc-" + owner,
+        lease_until=NOW + LEASE, claimed_at=NOW, created_at=NOW, updated_at=NOW, seq=1,
+    )
+
+
+async def raw_change(kv: MemoryKv, space: str, key: str, **changes: Any) -> int:
+    """Another writer: read, change fields, CAS on the version read."""
+    found = await kv.get(SCOPE, space, key)
+    assert found is not None
+    return await kv.put(SCOPE, space, key, {**found.value, **changes}, expected_version=found.version)
+
+
+@spec("BACK-7")
+def test_the_message_path_writes_without_reading() -> None:
+    """A journal write then the transition of the same record (the inbound's
+    completion, the send's ``mark_sent``): no read in between — the reason the known
+    versions exist. Every write still lands as a CAS (the versions count them)."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        d = KvDurability(kv)
+        _, created = await d.inbox_journal(SCOPE, leased_inbox())
+        assert created
+        _, created = await d.outbox_journal(SCOPE, sending_outbox())
+        assert created
+        assert await d.outbox_mark_sent(SCOPE, "in-1:1", token=1, message_id="m1", now=NOW + 1, expires_at=None)
+        assert await d.inbox_complete(SCOPE, "in-1", token=1, now=NOW + 2, expires_at=None)
+        assert kv.gets == 0, f"the transitions read {kv.gets} times although this instance wrote the records last"
+        inbox = await kv.get(SCOPE, "inbox", "in-1")
+        outbox = await kv.get(SCOPE, "outbox", "in-1:1")
+        assert inbox is not None and (inbox.version, inbox.value["state"]) == (2, "done")
+        assert outbox is not None and (outbox.version, outbox.value["state"], outbox.value["message_id"]) == (2, "sent", "m1")
+
+    run(body())
+
+
+@spec("BACK-7", "LEASE-2")
+def test_a_stale_known_version_is_retried_from_a_fresh_read_and_keeps_the_other_update() -> None:
+    """Another writer changed the record after this instance's last write (a field this
+    instance's transition keeps): the write from the known version fails its CAS and is
+    done again from a fresh read — the other writer's field survives (no lost update)."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        d = KvDurability(kv)
+        await d.inbox_journal(SCOPE, leased_inbox())
+        await raw_change(kv, "inbox", "in-1", note="written by another process", lease_until=NOW + 2 * LEASE)
+        gets = kv.gets
+        assert await d.inbox_complete(SCOPE, "in-1", token=1, now=NOW + 5, expires_at=None)
+        assert kv.gets == gets + 1, "the conflicting write must be computed again from one fresh read"
+        found = await kv.get(SCOPE, "inbox", "in-1")
+        assert found is not None
+        assert found.version == 3, f"journal, the other writer, the completion: version 3, got {found.version}"
+        assert found.value["state"] == "done"
+        assert found.value["note"] == "written by another process", f"the other writer's update was lost: {found.value}"
+
+    run(body())
+
+
+@spec("LEASE-2")
+def test_an_owner_whose_lease_was_taken_over_cannot_complete_with_its_known_version() -> None:
+    """Instance A journals (and knows) the record; its lease expires and instance B takes
+    it over with a larger token. A's completion from its known version is refused —
+    the CAS fails, the fresh read shows B's token — and B's lease stands."""
+
+    async def body() -> None:
+        kv = MemoryKv()
+        a, b = KvDurability(kv), KvDurability(kv)
+        await a.inbox_journal(SCOPE, leased_inbox(owner="a"))
+        taken = await b.inbox_claim(SCOPE, "in-1", owner="b", incarnation="inc-b", now=NOW + LEASE + 1,
+                                    lease_ms=LEASE, recover=False)
+        assert taken is not None and taken.token == 2
+        assert not await a.inbox_complete(SCOPE, "in-1", token=1, now=NOW + LEASE + 2, expires_at=None)
+        assert not await a.inbox_heartbeat(SCOPE, "in-1", token=1, lease_until=NOW + 5 * LEASE)
+        found = await kv.get(SCOPE, "inbox", "in-1")
+        assert found is not None
+        assert (found.value["state"], found.value["owner"], found.value["token"]) == ("leased", "b", 2)
+        assert found.value["lease_until"] == NOW + 2 * LEASE + 1, "A's stale heartbeat must not extend B's lease"
+        assert await b.inbox_complete(SCOPE, "in-1", token=2, now=NOW + LEASE + 3, expires_at=None)
+
+    run(body())
+
+
+@spec("OUT-14", "OPS-2")
+def test_a_transition_that_declines_on_the_known_record_asks_the_store() -> None:
+    """What this instance remembers says ``sending`` (a retry declines on that); another
+    writer has marked the send ``failed`` meanwhile. ``outbox_retry`` must see the
+    ``failed`` record — a decline is never answered from memory alone."""
+
+    async def body() -> None:
+        kv = MemoryKv()
+        d = KvDurability(kv)
+        await d.outbox_journal(SCOPE, sending_outbox())
+        await raw_change(kv, "outbox", "in-1:1", state="failed", lease_until=None, next_at=NOW + 10)
+        assert await d.outbox_retry(SCOPE, "in-1:1", now=NOW + 20)
+        found = await kv.get(SCOPE, "outbox", "in-1:1")
+        assert found is not None and (found.version, found.value["state"], found.value["attempts"]) == (3, "pending", 0)
+
+    run(body())
+
+
+@spec("LEASE-2")
+def test_concurrent_transitions_from_known_versions_have_one_winner() -> None:
+    """A (the owner, knowing its record) kills the record while B claims it after the
+    lease ran out, both at once: exactly one of them wins, whichever goes first, and
+    the record shows that one's write."""
+
+    async def body(a_first: bool) -> tuple[bool, bool, dict[str, Any]]:
+        kv = MemoryKv()
+        a, b = KvDurability(kv), KvDurability(kv)
+        await a.inbox_journal(SCOPE, leased_inbox(owner="a"))
+        kill = a.inbox_kill(SCOPE, "in-1", token=1, now=NOW + LEASE + 1, error="boom")
+        claim = b.inbox_claim(SCOPE, "in-1", owner="b", incarnation="inc-b", now=NOW + LEASE + 1,
+                              lease_ms=LEASE, recover=False)
+        if a_first:
+            killed, claimed = await asyncio.gather(kill, claim)
+        else:
+            claimed, killed = await asyncio.gather(claim, kill)
+        found = await kv.get(SCOPE, "inbox", "in-1")
+        assert found is not None
+        return bool(killed), claimed is not None, found.value
+
+    for a_first in (True, False):
+        killed, claimed, value = run(body(a_first))
+        assert killed != claimed, f"exactly one must win (A first: {a_first}); killed {killed}, claimed {claimed}"
+        assert value["state"] == ("dead" if killed else "leased"), value
+
+
+@spec("BACK-7")
+def test_what_a_caller_changes_in_its_records_afterwards_is_never_written() -> None:
+    """Values stored are copies, known versions included: the caller mutates the record
+    it journaled and the record a claim returned (nested dicts too); the next
+    transitions, written from the known versions, store the journaled contents."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        d = KvDurability(kv)
+        mine = leased_inbox()
+        stored, _ = await d.inbox_journal(SCOPE, mine)
+        mine.event["text"] = "changed by the caller"
+        mine.event["data"]["n"].append(2)
+        mine.chat_id = "other"
+        assert await d.inbox_heartbeat(SCOPE, "in-1", token=1, lease_until=NOW + 2 * LEASE)
+        assert await d.inbox_complete(SCOPE, "in-1", token=1, now=NOW + 5, expires_at=None)
+        found = await kv.get(SCOPE, "inbox", "in-1")
+        assert found is not None
+        assert found.value["event"] == {"id": "in-1", "chat_id": "c", "text": "hi", "data": {"n": [1]}}, found.value
+        assert found.value["chat_id"] == "c"
+
+        out = sending_outbox()
+        out.state, out.owner, out.token, out.lease_until = "failed", None, 1, None
+        out.next_at = NOW
+        await d.outbox_journal(SCOPE, out)
+        claim = await d.outbox_claim(SCOPE, out.key, owner="a", incarnation="inc-a", now=NOW + 1, lease_ms=LEASE,
+                                     recover=False)
+        assert claim is not None
+        rec, previous = claim
+        assert previous == "failed"
+        rec.content["text"] = "changed by the caller"
+        rec.content["extra"]["n"].append(2)
+        gets = kv.gets
+        assert await d.outbox_mark_sent(SCOPE, out.key, token=rec.token, message_id="m", now=NOW + 2, expires_at=None)
+        assert kv.gets == gets, "mark_sent after this instance's own claim needs no read"
+        sent = await kv.get(SCOPE, "outbox", out.key)
+        assert sent is not None
+        assert sent.value["content"] == {"text": "ok", "extra": {"n": [1]}}, sent.value
+        assert sent.value["state"] == "sent"
+
+    run(body())
+
+
+@spec("BACK-7")
+def test_a_record_deleted_behind_the_known_version_is_not_written_back() -> None:
+    """The known record is deleted by another writer (an operator's discard in another
+    process): the transition from the known version fails its CAS (the record is gone)
+    and reports the record absent instead of creating it again."""
+
+    async def body() -> None:
+        kv = MemoryKv()
+        a, b = KvDurability(kv), KvDurability(kv)
+        await a.outbox_journal(SCOPE, sending_outbox())
+        assert await b.outbox_discard(SCOPE, "in-1:1")
+        assert not await a.outbox_mark_sent(SCOPE, "in-1:1", token=1, message_id="m", now=NOW + 1, expires_at=None)
+        assert await kv.get(SCOPE, "outbox", "in-1:1") is None
+
+    run(body())
+
+
+@spec("BACK-7")
+def test_a_text_handed_to_the_kv_is_used_for_that_very_dict_only_while_it_is_written() -> None:
+    """``spi.writing`` (how ``KvDurability`` spares the kv a second encoding): inside the
+    block, ``encode_json_object`` of that dict returns the given text; an equal but other
+    dict is encoded itself; after the block a mutation of the dict is encoded, so a value
+    stored later is never an old text."""
+    from botmesh.core.spi import encode_json_object, writing
+
+    value: dict[str, Any] = {"a": [1]}
+    other: dict[str, Any] = {"a": [1]}
+    with writing(value, '{"a":[1]}'):
+        assert encode_json_object(value) == '{"a":[1]}'
+        assert encode_json_object(other) == '{"a":[1]}'
+        other["a"].append(2)
+        assert encode_json_object(other) == '{"a":[1,2]}', "another dict must be encoded, not given the text"
+    value["a"].append(3)
+    assert encode_json_object(value) == '{"a":[1,3]}', "after the block the dict must be encoded afresh"
+
+    async def body() -> None:
+        kv = MemoryKv()
+        given: dict[str, Any] = {"n": [1]}
+        with writing(given, '{"n":[1]}'):
+            await kv.put(SCOPE, "inbox", "k", given, expected_version=0)
+        given["n"].append(2)
+        found = await kv.get(SCOPE, "inbox", "k")
+        assert found == Versioned({"n": [1]}, 1), f"the kv must keep what was written, got {found!r}"
+
+    run(body())
