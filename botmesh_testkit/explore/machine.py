@@ -209,10 +209,13 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
             self._step(f"await x.redeliver({mid!r})", lambda x: x.redeliver(mid))
 
         @rule(kind=st.sampled_from(("transient", "rate", "refuse")), chat=st.sampled_from(CHATS),
-              times=st.integers(1, 3))
-        def fault(self, kind: str, chat: str, times: int) -> None:
+              times=st.integers(1, 3), skip=st.sampled_from((0, 0, 1, 2)))
+        def fault(self, kind: str, chat: str, times: int, skip: int) -> None:
             if kind == "refuse":
                 self._step(f"await x.fault('refuse', {chat!r})", lambda x: x.fault("refuse", chat))
+            elif skip:
+                self._step(f"await x.fault({kind!r}, times={times}, skip={skip})",
+                           lambda x: x.fault(kind, times=times, skip=skip))
             else:
                 self._step(f"await x.fault({kind!r}, times={times})", lambda x: x.fault(kind, times=times))
 

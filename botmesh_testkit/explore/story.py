@@ -169,6 +169,8 @@ class Explorer:
         self.hooks: Counter[tuple[int, str]] = Counter()
         self.bypass_ok: Counter[str] = Counter()
         self.bypass_reached: Counter[str] = Counter()
+        self.bypass_raised: list[tuple[str, str]] = []
+        """(text, error) of an unjournaled reply that raised what no provider raised (OUT-15)."""
         self.key_errors: list[tuple[str, str, str, str, bool]] = []
         """(error, key expected, key named, text, derived) of an error naming another key."""
         self.dead_chats: set[str] = set()
@@ -230,6 +232,10 @@ class Explorer:
                 except ProviderError:
                     if act.kind != "reply_nan":  # a bypassed send has no retry: its error reaches the handler
                         raise
+                except Exception as exc:
+                    if act.kind == "reply_nan":  # OUT-15: bypassed with a warning, not refused by the encoder
+                        self.bypass_raised.append((act.text, f"{type(exc).__name__}: {exc}"))
+                    raise
         except Exception:
             msg.raised += 1
             raise
@@ -302,9 +308,10 @@ class Explorer:
                 await self._deliver(self.messages[mid])
         self.check()
 
-    async def fault(self, kind: str, chat: str | None = None, times: int = 1) -> None:
-        """The channel fails: ``transient`` (the next ``times`` sends), ``rate`` (rate
-        limited, retry after 20 s), ``refuse`` (every send to ``chat`` from now on,
+    async def fault(self, kind: str, chat: str | None = None, times: int = 1, skip: int = 0) -> None:
+        """The channel fails: ``transient`` (the next ``times`` sends, after ``skip``
+        sends that pass — a later part of a split text, OUT-9), ``rate`` (rate limited,
+        retry after 20 s), ``refuse`` (every send to ``chat`` from now on,
         definitively)."""
         ch = self.world.channel
         if kind == "refuse":
@@ -316,7 +323,21 @@ class Explorer:
         self.transient += times
         if times:
             error = ProviderError("explore: transient") if kind == "transient" else RateLimitedError(retry_after_ms=20_000)
-            ch.fail_next(error, times=times)
+            if not skip:
+                ch.fail_next(error, times=times)
+                return
+            left = {"skip": skip, "fail": times}
+
+            def hit(_chat: str, _content: Any) -> bool:
+                if left["fail"] <= 0:
+                    return False
+                if left["skip"] > 0:
+                    left["skip"] -= 1
+                    return False
+                left["fail"] -= 1
+                return True
+
+            ch.fail_when(hit, error)
 
     async def advance(self, ms: float) -> None:
         """Let ``ms`` of virtual time pass."""
@@ -429,6 +450,9 @@ class Explorer:
                                        "times" + (f"; {self._ambiguities()} ambiguity event(s), naming "
                                                   f"{sorted(ambiguous)}" if ambiguous else ""))
         self._check_hooks()
+        for text, error in self.bypass_raised:
+            raise ExploreViolation(("OUT-15",), f"the reply {text!r}, whose content cannot be journaled, raised {error} "
+                                   "inside ctx.reply: such content bypasses the outbox with a warning")
         for error, expected, named, _text, derived in self.key_errors:
             if not derived:
                 raise ExploreViolation(("OUT-9",), f"{error} of the send under the key {expected!r} names the key "
