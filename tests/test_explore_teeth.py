@@ -1,0 +1,99 @@
+"""Explore finds issue 12's engine bug classes by itself: each test plants one bug again
+(a ``conftest.py`` that patches the reference engine back to the broken behaviour, as a
+user's broken implementation would be), runs the explore part through pytester as users
+run it, within the smoke budget, under a fixed seed, and checks that it fails naming the
+right requirement id — and that the story it wrote, replayed as a scenario with the bug
+still planted, fails the same way.
+
+Covered here: OUT-15 (unjournalable content raising inside ``ctx.reply``), OUT-10 (the
+``before("send")`` hooks run once per concurrent enqueue of one key), OUT-9 (a deferred
+split send's error naming the part's key). OUT-12 is in ``tests/test_explore.py``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+NAN_RAISES = '''
+import botmesh.core.engine as engine
+
+
+async def _bypass(self, chat_id, content, why, *, hooks_done=False):
+    # the bug of issue 12 (OUT-15): json's own error escapes from ctx.reply
+    raise ValueError("Out of range float values are not JSON compliant")
+
+
+engine.DurabilityRuntime._bypass = _bypass
+'''
+
+NO_KEY_LOCK = '''
+import contextlib
+
+import botmesh.core.keylocks as keylocks
+
+
+@contextlib.asynccontextmanager
+async def hold(self, key):
+    # the bug of issue 12 (OUT-10): concurrent enqueues of one key each run the hooks
+    yield
+
+
+keylocks.KeyLocks.hold = hold
+'''
+
+PART_KEY_IN_ERRORS = '''
+import botmesh.core.errors as errors
+
+
+def _names_the_part(cls):
+    init = cls.__init__
+
+    def __init__(self, key, *args, part_key=None, **kwargs):
+        # the bug of issue 12 (OUT-9): the error carries the part's key, not the send's
+        init(self, part_key if part_key is not None else key, *args, part_key=part_key, **kwargs)
+
+    cls.__init__ = __init__
+
+
+_names_the_part(errors.SendDeferredError)
+_names_the_part(errors.SendFailedError)
+'''
+
+
+def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int) -> str:
+    """Run explore on memory with ``plant`` as conftest; the failure must name
+    ``spec_id``, and its story, replayed as a scenario, must fail naming it too.
+    Returns the story's text."""
+    pytester.makeconftest(plant)
+    result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=memory", "--botmesh-parts=explore",
+                                           f"--botmesh-explore-examples={examples}", f"--botmesh-seed={seed}",
+                                           timeout=600)
+    out = result.stdout.str()
+    assert result.ret == 1, out[-3000:]
+    result.stdout.fnmatch_lines([f"*violated [[]*{spec_id}*[]]*", f"*BROKEN*{spec_id}*"])
+    replay = re.search(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios --botmesh-scenarios=(\S+) "
+                       r"-k (\S+)", out)
+    assert replay, out[-3000:]
+    folder, name = Path(replay.group(2)), replay.group(3)
+    story = (folder / f"{name}.py").read_text(encoding="utf-8")
+    again = pytester.runpytest_subprocess("-p", "no:benchmark", replay.group(1), "--botmesh-parts=scenarios",
+                                          f"--botmesh-scenarios={folder}", "-k", name, timeout=300)
+    assert again.ret == 1, again.stdout.str()[-3000:]
+    again.stdout.fnmatch_lines([f"*FAILED*{spec_id}*"])
+    return story
+
+
+@pytest.mark.spec("OUT-15", "TEST-4")
+def test_explore_finds_unjournalable_content_raising_in_reply(pytester: pytest.Pytester) -> None:
+    story = _caught_and_replayed(pytester, NAN_RAISES, "OUT-15", examples=40, seed=2)
+    assert "reply_nan(" in story, story
+
+
+@pytest.mark.spec("OUT-10", "TEST-4")
+def test_explore_finds_hooks_run_once_per_concurrent_enqueue(pytester: pytest.Pytester) -> None:
+    story = _caught_and_replayed(pytester, NO_KEY_LOCK, "OUT-10", examples=40, seed=2)
+    assert "enqueue(" in story, story
