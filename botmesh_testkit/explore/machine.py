@@ -2,8 +2,9 @@
 generated stories on one backend, and a failing story, shrunk, is written out as a
 scenario file that fails the same way.
 
-A story is a sequence of steps, each a verb of the Explorer: a message received (its plan
-drawn: replies under derived keys or adversarial explicit ones — ``"a"`` beside
+A story is a sequence of steps, each a verb of the Explorer: a message received (its media
+drawn — none, valid, expired, failing to download, a pre-feature token, tampered with at
+rest — and its plan drawn: replies under derived keys or adversarial explicit ones — ``"a"`` beside
 ``"a#2"``, a user's key that looks like a derived one, unicode, 448 characters — texts
 split by the channel, unjournaled content, concurrent enqueues of one key, a handler that
 raises), a redelivery, a channel fault (transient, rate limited, a chat that refuses for
@@ -54,10 +55,13 @@ KEYS = ("a", "a#2", "order", "order#2", "m1:1", "m2:1", "clé-ключ", "k" * 4
 take (``#2``), a user's key equal to a derived one (``m1:1``), unicode, the longest id
 (448 characters)."""
 TEXT_LIMITS = (None, 16, 24)
+MEDIA = (None, None, None, None, "valid", "expired", "broken", "legacy", "tampered")
+"""A message's media (:meth:`~.story.Explorer.receive`): mostly none."""
 ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
 """Virtual time a step lets pass, ms (the sweep runs every ``poll_ms``, 1 s: ten minutes
 are 600 sweeps; longer waits are the end's :meth:`~.story.Explorer.finish`)."""
-IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-6", "INB-7", "INB-8", "OUT-2", "OUT-3", "OUT-5",
+IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-6", "INB-7", "INB-8", "MEDIA-2", "MEDIA-3", "MEDIA-5",
+       "OUT-2", "OUT-3", "OUT-5",
        "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15")
 """The requirement ids the explorer's model checks (its item's ``spec`` marker)."""
 
@@ -195,12 +199,15 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
             self.count = 0
             self._step("await x.start()", lambda x: x.start())
 
-        @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4))
-        def receive(self, chat: str, drawn: list[tuple[Any, ...]]) -> None:
+        @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4),
+              media=st.sampled_from(MEDIA))
+        def receive(self, chat: str, drawn: list[tuple[Any, ...]], media: str | None) -> None:
             self.count += 1
             mid = f"m{self.count}"
             actions = _plan(mid, drawn)
-            self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r})", lambda x: x.receive(chat, mid, actions))
+            extra = "" if media is None else f", media={media!r}"
+            self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r}{extra})",
+                       lambda x: x.receive(chat, mid, actions, media))
 
         @precondition(lambda self: self.count > 0)
         @rule(which=st.integers(0, 40))

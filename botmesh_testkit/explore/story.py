@@ -48,6 +48,12 @@ What the model requires (each violation names its ids):
   never silently not at all (OUT-15);
 * the ``before("send")`` hooks run at most once per journaled send and incarnation,
   however many concurrent enqueues of its key there are (OUT-10);
+* a message's media loads as its reference allows: the bytes of a valid one, ``None``
+  (or, with ``throw_on_error``, a ``MediaUnavailableError``) for an expired one, one
+  whose download fails with another exception, a
+  pre-feature bare token or a reference tampered with at rest — never another
+  exception, and such a message is processed all the same, never dead-lettered for its
+  reference (MEDIA-2, MEDIA-3, MEDIA-5);
 * nothing reaches the channel that no handler sent, and no part twice unless an
   ambiguity event named it (after every step).
 """
@@ -61,8 +67,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from botmesh.core import content as contentlib
+from botmesh.core import media as medialib
 from botmesh.core.errors import SendDeferredError, SendFailedError
-from botmesh.core.provider import InboundEvent, ProviderError, RateLimitedError, RecipientUnreachableError
+from botmesh.core.provider import (InboundEvent, MediaUnavailableError, ProviderError, RateLimitedError,
+                                   RecipientUnreachableError)
+from botmesh.core.records import InboxRecord
 from botmesh.core.testing import SimulatedCrash
 
 __all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
@@ -73,6 +82,7 @@ OUTBOX_RETRIES = 12
 """``outbox.retries`` of the explored bots: above the transient faults an example can
 inject (:data:`MAX_TRANSIENT`), so a send dies only of a definitive refusal."""
 MAX_TRANSIENT = 6
+MEDIA_BYTES = b"explore media of "
 FINISH_MS = 3_600_000.0
 DRAIN_CHUNK_MS = 60_000.0
 """Virtual time :meth:`Explorer.finish` lets pass (past every retry and rate limit)."""
@@ -138,6 +148,7 @@ class _Message:
     raised: int = 0
     completed: int = 0
     fail_passes: Counter[int] = field(default_factory=Counter)
+    media: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,8 @@ class Explorer:
         self.hooks: Counter[tuple[int, str]] = Counter()
         self.bypass_ok: Counter[str] = Counter()
         self.bypass_reached: Counter[str] = Counter()
+        self.media_errors: list[tuple[str, str]] = []
+        """(message, what went wrong) of a media download that broke MEDIA-2/MEDIA-3."""
         self.bypass_raised: list[tuple[str, str]] = []
         """(text, error) of an unjournaled reply that raised what no provider raised (OUT-15)."""
         self.key_errors: list[tuple[str, str, str, str, bool]] = []
@@ -178,7 +191,23 @@ class Explorer:
         self.instance = 1
         self.transient = 0
         self._inflight: set[asyncio.Future[Any]] = set()
+        self._wrap_download()
         s.setup(self._install)
+
+    def _wrap_download(self) -> None:
+        """The channel's download of a ``broken`` reference fails with an error that is
+        no ``ProviderError`` (a provider breaking its contract: MEDIA-3 says a failed
+        download all the same)."""
+        channel = self.world.channel
+        real = channel.download_media
+
+        async def download_media(ref: Any) -> bytes:
+            url = ref.get("url") if isinstance(ref, dict) else None
+            if isinstance(url, str) and "/broken/" in url:
+                raise OSError(f"explore: connection reset downloading {url}")
+            return await real(ref)
+
+        channel.download_media = download_media
 
     # -- the bot --------------------------------------------------------------------------
     def _install(self, bot: Any) -> None:
@@ -197,6 +226,8 @@ class Explorer:
             return
         msg.executions += 1
         derived = 0
+        if msg.media is not None:
+            await self._load_media(ctx, msg)
         try:
             for i, act in enumerate(msg.actions):
                 if act.kind == "fail":
@@ -241,6 +272,41 @@ class Explorer:
             raise
         msg.completed += 1
 
+    async def _load_media(self, ctx: Any, msg: _Message) -> None:
+        """``load_media_of(ctx)``: the bytes of a valid reference, None for any other —
+        never an exception (MEDIA-3); with ``throw_on_error`` only a
+        ``MediaUnavailableError``."""
+        want = MEDIA_BYTES + msg.mid.encode() if msg.media == "valid" else None
+        try:
+            got = await medialib.load_media_of(ctx)
+        except Exception as exc:
+            self.media_errors.append((msg.mid, f"load_media_of raised {type(exc).__name__}: {exc}"))
+            return
+        if got != want:
+            self.media_errors.append((msg.mid, f"load_media_of gave {got!r:.60}, expected {want!r:.60}"))
+        try:
+            await medialib.load_media_of(ctx, throw_on_error=True)
+        except MediaUnavailableError:
+            if msg.media == "valid":
+                self.media_errors.append((msg.mid, "load_media_of(throw_on_error=True) raised for a valid reference"))
+        except Exception as exc:
+            self.media_errors.append((msg.mid, f"load_media_of(throw_on_error=True) raised {type(exc).__name__}: "
+                                               f"{exc}, not MediaUnavailableError"))
+
+    async def _journal_before(self, msg: _Message) -> None:
+        """What a process that died right after journaling ``msg`` left behind, with its
+        media reference stored as a pre-feature version wrote it (``legacy``: a bare
+        token) or altered at rest (``tampered``: a durable entry whose data is not an
+        object): a pending record the sweep replays (MEDIA-3, MEDIA-5)."""
+        d = self.world.bot.durability
+        stored: Any = (f"legacy-token-{msg.mid}" if msg.media == "legacy"
+                       else {"durable": {"provider": self.world.channel.name, "v": 1, "data": "tampered"}})
+        now = self.world.clock.now()
+        event = {"id": msg.mid, "chat_id": msg.chat, "text": msg.mid, "kind": "message", "user_id": None,
+                 "data": {}, "media": stored}
+        await d.backend.inbox_journal(d.scope, InboxRecord(id=msg.mid, chat_id=msg.chat, event=event, state="pending",
+                                                           next_at=now, created_at=now, updated_at=now))
+
     # -- verbs ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
@@ -249,7 +315,13 @@ class Explorer:
     async def _deliver(self, msg: _Message) -> None:
         if self.world.crashed:
             return
-        event = InboundEvent(id=msg.mid, chat_id=msg.chat, text=msg.mid)
+        media = None
+        if msg.media in ("valid", "expired", "broken"):
+            url = f"https://media.mock.test/{msg.media}/{msg.mid}"
+            media = {"url": url}
+            if msg.media == "valid":
+                self.world.channel.media_bytes[url] = MEDIA_BYTES + msg.mid.encode()
+        event = InboundEvent(id=msg.mid, chat_id=msg.chat, text=msg.mid, media=media)
         task = asyncio.ensure_future(self.world.bot.provider.deliver(event))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
@@ -273,11 +345,20 @@ class Explorer:
             await asyncio.gather(*left, return_exceptions=True)
         self._inflight.clear()
 
-    async def receive(self, chat: str, mid: str, actions: Sequence[Action]) -> None:
-        """The channel delivers message ``mid`` (its plan: ``actions``)."""
+    async def receive(self, chat: str, mid: str, actions: Sequence[Action], media: str | None = None) -> None:
+        """The channel delivers message ``mid`` (its plan: ``actions``), with ``media``:
+        ``valid`` (a reference the channel serves), ``expired`` (one it no longer
+        serves), ``broken`` (one whose download fails with an ``OSError``), or —
+        journaled before this delivery, as a dead process left it — ``legacy`` or
+        ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first."""
         if mid not in self.messages:
-            self.messages[mid] = _Message(chat, mid, tuple(actions))
+            self.messages[mid] = _Message(chat, mid, tuple(actions), media=media)
             self.order.append(mid)
+            if media in ("legacy", "tampered") and not self.world.crashed:
+                try:
+                    await self._journal_before(self.messages[mid])
+                except SimulatedCrash:  # a crash armed at this write: the process dies here
+                    self.crashes += 1
         await self._deliver(self.messages[mid])
         self.check()
 
@@ -450,6 +531,8 @@ class Explorer:
                                        "times" + (f"; {self._ambiguities()} ambiguity event(s), naming "
                                                   f"{sorted(ambiguous)}" if ambiguous else ""))
         self._check_hooks()
+        for mid, error in self.media_errors:
+            raise ExploreViolation(("MEDIA-2", "MEDIA-3"), f"message {mid} ({self.messages[mid].media} media): {error}")
         for text, error in self.bypass_raised:
             raise ExploreViolation(("OUT-15",), f"the reply {text!r}, whose content cannot be journaled, raised {error} "
                                    "inside ctx.reply: such content bypasses the outbox with a warning")
@@ -490,6 +573,11 @@ class Explorer:
             if rec.state == "done" and finished == 0:
                 raise ExploreViolation(("INB-2", "INB-3"), f"message {mid} is 'done' but its handler never ran to its "
                                        f"end ({msg.executions} execution(s) started, every one cut short)")
+            if rec.state == "dead" and msg.media in ("legacy", "tampered") and self.crashes < INBOX_MAX_ATTEMPTS:
+                raise ExploreViolation(("MEDIA-3", "MEDIA-5", "INB-7"),
+                                       f"message {mid}, whose stored media reference is {msg.media}, went to the DLQ "
+                                       f"after {msg.executions} execution(s) of its handler and {self.crashes} death(s): "
+                                       "a bad reference costs only the download, never the message")
             if rec.state == "dead" and (finished or self.crashes < INBOX_MAX_ATTEMPTS):
                 raise ExploreViolation(("INB-6", "INB-7", "GUAR-7"),
                                        f"message {mid} went to the DLQ after {msg.executions} execution(s), "
