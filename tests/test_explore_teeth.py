@@ -5,7 +5,8 @@ run it, within the smoke budget, under a fixed seed, and checks that it fails na
 right requirement id — and that the story it wrote, replayed as a scenario with the bug
 still planted, fails the same way.
 
-Covered here: OUT-15 (unjournalable content raising inside ``ctx.reply``), OUT-10 (the
+Covered here: MEDIA-3/MEDIA-5 (a pre-feature or tampered stored reference killing the
+message; a download error escaping ``load_media_of``), OUT-15 (unjournalable content raising inside ``ctx.reply``), OUT-10 (the
 ``before("send")`` hooks run once per concurrent enqueue of one key), OUT-9 (a deferred
 split send's error naming the part's key). OUT-12 is in ``tests/test_explore.py``."""
 
@@ -64,6 +65,58 @@ _names_the_part(errors.SendFailedError)
 '''
 
 
+OLD_REHYDRATE = '''
+import botmesh.core.media as media
+from botmesh.core.host import ReplayedMedia
+
+
+def rehydrate(provider, journaled):
+    # the bug of issue 12 (MEDIA-3, MEDIA-5): a bare token or a durable entry whose data is
+    # not an object makes the replay raise, and the message is retried into the DLQ
+    if journaled is None:
+        return None
+    if "raw" in journaled:
+        return ReplayedMedia(ref=journaled["raw"])
+    if journaled.get("not_durable"):
+        return ReplayedMedia(reason="not-durable")
+    stored = journaled.get("durable")
+    ref = provider.rehydrate_media_ref({"v": stored.get("v"), "data": stored.get("data")}, None)
+    return ReplayedMedia(ref=ref)
+
+
+media.rehydrate = rehydrate
+'''
+
+DOWNLOAD_ERROR_ESCAPES = '''
+import botmesh.core.media as media
+from botmesh.core.provider import MediaUnavailableError, ProviderError
+
+
+async def load_media_of(ctx, *, throw_on_error=False):
+    # the bug of issue 12 (MEDIA-3): a download failing with anything but a ProviderError
+    # propagates out of load_media_of
+    replayed = ctx.replayed_media
+    if replayed is not None and replayed.reason is not None:
+        if throw_on_error:
+            raise MediaUnavailableError(replayed.reason, replayed.detail)
+        return None
+    ref = replayed.ref if replayed is not None else ctx.event.media
+    if ref is None:
+        return None
+    try:
+        return await ctx.bot.provider.download_media(ref)
+    except ProviderError as exc:
+        if throw_on_error:
+            if isinstance(exc, MediaUnavailableError):
+                raise
+            raise MediaUnavailableError("rehydrate-failed", str(exc)) from exc
+        return None
+
+
+media.load_media_of = load_media_of
+'''
+
+
 def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int) -> str:
     """Run explore on memory with ``plant`` as conftest; the failure must name
     ``spec_id``, and its story, replayed as a scenario, must fail naming it too.
@@ -103,3 +156,15 @@ def test_explore_finds_hooks_run_once_per_concurrent_enqueue(pytester: pytest.Py
 def test_explore_finds_a_deferred_split_send_naming_its_part_key(pytester: pytest.Pytester) -> None:
     story = _caught_and_replayed(pytester, PART_KEY_IN_ERRORS, "OUT-9", examples=40, seed=8)
     assert "skip=" in story, story  # a fault that lets part 1 pass and defers a later part
+
+
+@pytest.mark.spec("MEDIA-3", "MEDIA-5", "INB-7", "TEST-4")
+def test_explore_finds_a_bad_stored_media_reference_killing_the_message(pytester: pytest.Pytester) -> None:
+    story = _caught_and_replayed(pytester, OLD_REHYDRATE, "MEDIA-3", examples=40, seed=2)
+    assert re.search(r"media='(legacy|tampered)'", story), story
+
+
+@pytest.mark.spec("MEDIA-3", "TEST-4")
+def test_explore_finds_a_download_error_escaping_load_media_of(pytester: pytest.Pytester) -> None:
+    story = _caught_and_replayed(pytester, DOWNLOAD_ERROR_ESCAPES, "MEDIA-3", examples=40, seed=2)
+    assert "media='broken'" in story, story
