@@ -381,6 +381,10 @@ class Explorer:
             self.instance += 1
             self.world.instance_id = f"i{self.instance}"
         if self.world.bot is not None:
+            if not self.world.crashed:
+                # a live process dies here: an execution it had in flight (a reply sleeping on
+                # its inline retry's backoff) is cut short like one a crash cuts (INB-7)
+                self.crashes += 1
             await self.world.bot.abandon()
         await self._bury()
         await self.world.start(crash=True)
