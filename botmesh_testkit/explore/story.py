@@ -205,7 +205,8 @@ class Explorer:
             url = ref.get("url") if isinstance(ref, dict) else None
             if isinstance(url, str) and "/broken/" in url:
                 raise OSError(f"explore: connection reset downloading {url}")
-            return await real(ref)
+            data: bytes = await real(ref)
+            return data
 
         channel.download_media = download_media
 
