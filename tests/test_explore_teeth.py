@@ -66,6 +66,7 @@ _names_the_part(errors.SendFailedError)
 
 
 OLD_REHYDRATE = '''
+import botmesh.core.engine as engine
 import botmesh.core.media as media
 from botmesh.core.host import ReplayedMedia
 
@@ -84,7 +85,7 @@ def rehydrate(provider, journaled):
     return ReplayedMedia(ref=ref)
 
 
-media.rehydrate = rehydrate
+media.rehydrate = engine.rehydrate = rehydrate  # the engine imports it by name
 '''
 
 DOWNLOAD_ERROR_ESCAPES = '''
