@@ -275,6 +275,33 @@ def test_kill_loop_with_a_flaky_channel(tmp_path: Any) -> None:
     no_children_left(loop)
 
 
+@spec("TEST-4", "INB-7", "INB-3")
+@pytest.mark.parametrize("marker_share", [1.0, 0.0], ids=["at-markers", "after-delays"])
+def test_harness_kills_never_use_up_a_message_s_executions(marker_share: float, tmp_path: Any) -> None:
+    """Issue 14 (the flaky ``test_kill_loop[sqlite-resend]``): a busy machine stretches
+    each incarnation's recovery of the message the last kill interrupted, so seeded kills
+    kept landing on that one message until it had used up ``inbox.max_attempts`` and went
+    to the DLQ. By INB-7 the engine is right to dead-letter it, but the message never
+    killed anything: the harness did. The loop now moves a kill that would charge a
+    message its last allowed execution on to a later moment, and says so. With
+    max_attempts=2 and 10 kills over 4 messages, the loop before this change put 2-4 of
+    the 4 messages in the DLQ on every seed tried, without any load."""
+    loop = KillLoop(backend_spec("sqlite", tmp_path), echo("hi"), messages=4, kills=10, seed=3, max_attempts=2,
+                    marker_share=marker_share, workdir=str(tmp_path), oracle=False)
+    result = loop.run()
+    print(result.report())
+    result.assert_ok()
+    assert result.inbox_states == {"done": 4}
+    assert len(result.kills) == 10
+    # no message was left with max_attempts unfinished executions by the kills
+    from botmesh_testkit.checker.judge import charged_deaths
+
+    assert max(charged_deaths(result.run.incarnations).values(), default=0) < 2
+    if marker_share == 1.0:  # seed 3 froze children on a message's last execution: the report says where
+        assert "kill moved on from" in result.report()
+    no_children_left(loop)
+
+
 @spec("TEST-4", "INB-3")
 def test_a_run_that_never_settles_fails_at_its_deadline(tmp_path: Any) -> None:
     """A handler that never returns: the last child is killed at the drain deadline and

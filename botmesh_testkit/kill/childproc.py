@@ -126,6 +126,9 @@ class _Markers:
         self.stop_at = stop_at
         self.count = 0
         self.lock = threading.Lock()
+        self.dispatch: Callable[[tuple[Any, ...]], None] | None = None
+        """What handles a message of the parent (set once the bot is built); the ones
+        that come while frozen are handed to it when the parent lets the child go on."""
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.lock:
@@ -144,13 +147,26 @@ class _Markers:
             self.freeze()
 
     def freeze(self) -> None:
-        """Wait here, the event loop blocked, for the parent's SIGKILL."""
+        """Wait here, the event loop blocked, for the parent's SIGKILL — or for its
+        ``("go", stop_at)``: the parent moved the kill to a later marker (a kill here
+        would have charged a message its last allowed execution, see
+        :meth:`botmesh_testkit.kill.loop.KillLoop.last_attempts`); what it sent meanwhile
+        is then handled as if it had come now."""
+        held: list[tuple[Any, ...]] = []
         while True:
             try:
-                if self.conn.poll(1.0):
-                    self.conn.recv()  # inbound fed meanwhile: never acknowledged, redelivered
+                if not self.conn.poll(1.0):
+                    continue
+                msg = self.conn.recv()
             except (EOFError, OSError):
                 os._exit(3)
+            if msg[0] == "go":
+                self.stop_at = msg[1]
+                for m in held:
+                    if self.dispatch is not None:
+                        self.dispatch(m)
+                return
+            held.append(msg)  # a message fed meanwhile: if this child is killed here, it is redelivered
 
 
 def _ident(args: tuple[Any, ...]) -> Any:
@@ -443,21 +459,25 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
         except Exception as exc:
             markers.send(("reply", req, {"settled": False, "error": repr(exc)}))
 
+    def handle(msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "msg":
+            queue.put_nowait((msg[1], msg[2], msg[3]))
+        elif kind == "status":
+            task = asyncio.ensure_future(status(msg[1]))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        elif kind == "metrics":
+            markers.send(("reply", msg[1], d.metrics()))
+        elif kind == "stop":
+            stop.set()
+
+    markers.dispatch = handle
+
     def on_readable() -> None:
         try:
             while conn.poll():
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "msg":
-                    queue.put_nowait((msg[1], msg[2], msg[3]))
-                elif kind == "status":
-                    task = asyncio.ensure_future(status(msg[1]))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                elif kind == "metrics":
-                    markers.send(("reply", msg[1], d.metrics()))
-                elif kind == "stop":
-                    stop.set()
+                handle(conn.recv())
         except (EOFError, OSError):
             os._exit(3)  # the parent is gone
 
