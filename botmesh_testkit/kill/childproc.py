@@ -459,7 +459,7 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
         except Exception as exc:
             markers.send(("reply", req, {"settled": False, "error": repr(exc)}))
 
-    def handle(msg: tuple[Any, ...]) -> None:
+    def on_message(msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "msg":
             queue.put_nowait((msg[1], msg[2], msg[3]))
@@ -472,12 +472,12 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
         elif kind == "stop":
             stop.set()
 
-    markers.dispatch = handle
+    markers.dispatch = on_message
 
     def on_readable() -> None:
         try:
             while conn.poll():
-                handle(conn.recv())
+                on_message(conn.recv())
         except (EOFError, OSError):
             os._exit(3)  # the parent is gone
 
