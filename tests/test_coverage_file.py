@@ -163,3 +163,32 @@ def test_a_directory_that_is_not_writable_is_refused(pytester: pytest.Pytester) 
         locked.chmod(0o700)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--botmesh-coverage: the directory of 'locked/cov.data' (*) is not writable*"])
+
+
+@spec("BACK-7")
+def test_what_is_measured_for_each_kind_of_backend_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built-in names: their botmesh.*_store package; pkg.module:factory and a name
+    registered by hook: the factory's top-level package; a module outside any package:
+    that module by name. The engine's package comes first, each source once."""
+    from botmesh_testkit.backends.registry import REGISTRY
+    from botmesh_testkit.matrix.coverage_file import backend_sources, sources
+
+    (tmp_path / "ownpkg" / "sub").mkdir(parents=True)
+    (tmp_path / "ownpkg" / "__init__.py").write_text("")
+    (tmp_path / "ownpkg" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "ownpkg" / "sub" / "kvmod.py").write_text("def make(workdir):\n    return None\n")
+    (tmp_path / "loose_kv_module.py").write_text("def make(workdir):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    own = os.path.realpath(tmp_path / "ownpkg")
+    assert [s.replace(os.sep, "/") for s in backend_sources("sqlite")][0].endswith("/botmesh/sqlite_store")
+    assert backend_sources("ownpkg.sub.kvmod:make") == [own]
+    assert backend_sources("loose_kv_module:make") == ["loose_kv_module"]
+    REGISTRY.add_factory("cov-test-kv", importlib.import_module("ownpkg.sub.kvmod").make)
+    try:
+        assert backend_sources("cov-test-kv") == [own]
+    finally:
+        REGISTRY._factories.pop("cov-test-kv", None)
+    both = sources(["memory", "file", "ownpkg.sub.kvmod:make"])
+    assert both[0].replace(os.sep, "/").endswith("/botmesh/core") and both[1:] == [own]

@@ -109,7 +109,7 @@ def backend_sources(backend: str) -> list[str]:
     if backend in eps:
         return [_package_of(eps[backend].value.partition(":")[0])]
     factory = REGISTRY.get(backend)
-    module = getattr(getattr(factory, "factory", factory), "__module__", None)
+    module = getattr(getattr(factory, "botmesh_factory", factory), "__module__", None)
     if isinstance(module, str) and not module.startswith(("botmesh_testkit", "botmesh.")):
         return [_package_of(module)]
     return []
