@@ -417,12 +417,14 @@ def test_frozen_replica_loses_its_lease_and_its_completion_is_refused(backend: s
 @pytest.mark.parametrize("backend", SHARED)
 def test_killed_replica_work_is_finished_by_the_other(backend: str, policy: str, spec_for_backend: Any,
                                                       tmp_path: Any) -> None:
-    """a dies right after the channel accepted its second reply (marker 31: two
-    messages' markers in, the provider call of reply 2 returned); b takes over every
-    lease a held once it expires, resolves the send as ambiguous, and finishes."""
+    """a dies right after the channel accepted its second reply (the provider call of
+    reply 2 returned: ``stop_at="after provider.send#2"``, not a marker count, which a
+    busy machine shifts when a's sweep interleaves markers of its own — issue 14's run
+    under load froze marker 31 at ``before inbox.complete``); b takes over every lease a
+    held once it expires, resolves the send as ambiguous, and finishes."""
     msgs = [(f"m{i}", f"c{i % 4}", f"msg {i}") for i in range(1, 13)]
     with Replicas(spec_for_backend, replies(2), workdir=str(tmp_path), lease_ms=400, on_ambiguous=policy) as r:
-        r.start("a", stop_at=31)
+        r.start("a", stop_at="after provider.send#2")
         r.start("b")
         r.feed("a", [m for m in msgs if m[1] in ("c0", "c2")])
         r.feed("b", [m for m in msgs if m[1] in ("c1", "c3")])
