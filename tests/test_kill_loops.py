@@ -441,10 +441,17 @@ def test_killed_replica_work_is_finished_by_the_other(backend: str, policy: str,
     assert result.inbox_states == {"done": 12}
     key = frozen.ident
     amb = [e for e in result.run.events if e.name == "durability:ambiguous"]
-    assert [e.payload["key"] for e in amb] == [key] and amb[0].n == r.child("b").n
+    amb_keys = {e.payload["key"] for e in amb}
+    # the frozen send is ambiguous; so may be another send of a's in flight at that moment (a
+    # handles chats concurrently: how they interleave depends on the machine's load — the
+    # 9th run of the evidence under load had m2:1 in flight beside m4:1), never a settled one
+    settled_by_a = {m.ident for m in a.markers if m.when == "after" and m.op in ("outbox.mark_sent", "outbox.mark_unknown")}
+    assert key in amb_keys and not amb_keys & settled_by_a, (amb_keys, settled_by_a)
+    assert {e.n for e in amb} == {r.child("b").n}
     counts = Counter(d.key for d in result.run.ledger())
     assert counts[key] == (1 if policy == "skip" else 2)
-    assert result.outbox_states == ({"sent": 23, "unknown": 1} if policy == "skip" else {"sent": 24})
+    assert result.outbox_states == ({"sent": 24 - len(amb_keys), "unknown": len(amb_keys)} if policy == "skip"
+                                    else {"sent": 24})
     no_children_left(r)
 
 
