@@ -179,6 +179,15 @@ def _run(args: argparse.Namespace) -> int:
             print(f"botmesh-testkit: {exc}", file=sys.stderr)
             return 2
         backends = [only.backend]
+    coverage_file: Path | None = None
+    if args.coverage:
+        from .matrix.coverage_file import CoverageFileError, check_path
+
+        try:
+            coverage_file = check_path(args.coverage)
+        except CoverageFileError as exc:
+            print(f"botmesh-testkit: --coverage: {exc}", file=sys.stderr)
+            return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
     print(f"botmesh-testkit run: backend(s) {', '.join(backends)}; matrix {profile.name!r} ({profile.description}); "
           f"seed {seed}", flush=True)
@@ -200,6 +209,8 @@ def _run(args: argparse.Namespace) -> int:
             argv.append(f"--junitxml={args.junitxml}")
         if args.report:
             argv.append(f"--botmesh-report={Path(args.report).absolute()}")
+        if coverage_file is not None:
+            argv.append(f"--botmesh-coverage={coverage_file}")
         if args.jobs:
             # xdist under -q prints "bringing up nodes..." twice and never the workers' line:
             # keep pytest's own verbosity there, without its header
@@ -349,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--report", metavar="PATH",
                      help="write the certification report: JSON, Markdown when PATH ends in .md, HTML when it "
                           "ends in .html")
+    run.add_argument("--coverage", metavar="PATH",
+                     help="write a coverage.py data file of the engine and the backend's own package, one context "
+                          "per item (a crash cell's recovery: matrix:<cell id>); coverage html --data-file=PATH "
+                          "--show-contexts shows which crash points ran each line")
     run.add_argument("-n", "--jobs", type=int, metavar="N", help="run on N processes (pytest-xdist)")
     run.add_argument("--require-services", action="store_true",
                      help="fail when a postgres/redis server cannot be provisioned instead of skipping")

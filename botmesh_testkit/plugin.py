@@ -141,6 +141,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--botmesh-report", default=None, metavar="PATH",
                     help="write the certification report to PATH after the run: JSON, Markdown when PATH ends in .md, "
                          "one self-contained HTML page when it ends in .html")
+    group.addoption("--botmesh-coverage", default=None, metavar="PATH",
+                    help="write a coverage.py data file to PATH measuring the engine and the backend's own package, "
+                         "one context per item (a crash cell's recovery: matrix:<cell id>); view it with coverage "
+                         "html --data-file=PATH --show-contexts")
     parser.addini("botmesh_report", "certification report file (relative to the ini file; .md: Markdown, "
                                     ".html: HTML, else JSON)",
                   default="")
@@ -208,6 +212,16 @@ def pytest_configure(config: pytest.Config) -> None:
         if not folder.is_dir():
             raise usage("--botmesh-scenarios", f"{str(folder)!r} is not a directory")
     state.report_path = _report_path(config)
+    coverage_file = config.getoption("--botmesh-coverage")
+    if coverage_file:
+        from .matrix.coverage_file import CoverageFileError, check_path
+        from .pytest.coverage_plugin import CoveragePlugin
+
+        try:
+            path = check_path(coverage_file, config.invocation_params.dir)
+        except CoverageFileError as exc:
+            raise usage("--botmesh-coverage", str(exc)) from None
+        config.pluginmanager.register(CoveragePlugin(config, path), "botmesh-coverage")
     from .pytest.provisioning import provision_services
 
     provision_services(config, state)
@@ -218,6 +232,7 @@ def _used(config: pytest.Config) -> bool:
     selects backends, scenarios, a cell, a report, or a non-default matrix)."""
     return bool(selected(config) or config.getini("botmesh_backend") or scenario_dirs(config)
                 or config.getoption("--botmesh-cell") or config.getoption("--botmesh-report")
+                or config.getoption("--botmesh-coverage")
                 or config.getini("botmesh_report") or config.getoption("--botmesh-matrix")
                 or config.getoption("--botmesh-parts") or config.getoption("--botmesh-cell-timeout") is not None
                 or config.getoption("--botmesh-item-timeout") is not None

@@ -27,7 +27,7 @@ from .rules import delivery_violation
 from .violation import Violation
 
 if TYPE_CHECKING:  # the evidence types; botmesh_testkit.kill imports this module
-    from ..kill.parent import Delivery, Event, Incarnation
+    from ..kill.parent import Delivery, Event, Incarnation, Mark
 
 
 @dataclass
@@ -57,37 +57,43 @@ class Accounting:
     loss_count: int = 0
 
 
-def _charged_deaths(incarnations: Iterable[Incarnation]) -> dict[str, int]:
+def unfinished_charged(markers: Iterable[Mark]) -> set[str]:
+    """The inbound ids one incarnation may have been charged an execution of (journaled
+    or claimed it, or was inside that write: it may have landed) and had not finished
+    (completed, killed or put back) by its last marker: the executions its death leaves
+    unfinished (INB-7), as an upper bound."""
+    charged: set[str] = set()
+    finished: set[str] = set()
+    open_writes: dict[tuple[str, str], int] = defaultdict(int)
+    for m in markers:
+        if m.op not in ("inbox.journal", "inbox.claim", "inbox.complete", "inbox.kill", "inbox.retry_later"):
+            continue
+        key = (m.op, str(m.ident))
+        if m.when == "before":
+            open_writes[key] += 1
+        elif m.when in ("after", "raised"):
+            open_writes[key] -= 1
+            info = m.info or {}
+            if m.when == "after" and m.op == "inbox.journal" and info.get("created"):
+                charged.add(str(m.ident))
+            if m.when == "after" and m.op == "inbox.claim" and info.get("claimed") is not None:
+                charged.add(str(m.ident))
+            if m.when == "after" and m.op in ("inbox.complete", "inbox.kill", "inbox.retry_later") and info.get("ok"):
+                finished.add(str(m.ident))
+    for (op, ident), n in open_writes.items():
+        if n > 0 and op in ("inbox.journal", "inbox.claim"):
+            charged.add(ident)  # died inside the write: it may have landed
+    return charged - finished
+
+
+def charged_deaths(incarnations: Iterable[Incarnation]) -> dict[str, int]:
     """Per inbound id, how many incarnations may have been charged an execution of it
     (journaled or claimed it, or died inside that write) and died before completing it:
     an upper bound of the unfinished charged executions of INB-7."""
     deaths: Counter[str] = Counter()
     for inc in incarnations:
-        if not inc.died:
-            continue
-        charged: set[str] = set()
-        finished: set[str] = set()
-        open_writes: dict[tuple[str, str], int] = defaultdict(int)
-        for m in inc.markers:
-            if m.op not in ("inbox.journal", "inbox.claim", "inbox.complete", "inbox.kill", "inbox.retry_later"):
-                continue
-            key = (m.op, str(m.ident))
-            if m.when == "before":
-                open_writes[key] += 1
-            elif m.when in ("after", "raised"):
-                open_writes[key] -= 1
-                info = m.info or {}
-                if m.when == "after" and m.op == "inbox.journal" and info.get("created"):
-                    charged.add(str(m.ident))
-                if m.when == "after" and m.op == "inbox.claim" and info.get("claimed") is not None:
-                    charged.add(str(m.ident))
-                if m.when == "after" and m.op in ("inbox.complete", "inbox.kill", "inbox.retry_later") and info.get("ok"):
-                    finished.add(str(m.ident))
-        for (op, ident), n in open_writes.items():
-            if n > 0 and op in ("inbox.journal", "inbox.claim"):
-                charged.add(ident)  # died inside the write: it may have landed
-        for ident in charged - finished:
-            deaths[ident] += 1
+        if inc.died:
+            deaths.update(unfinished_charged(inc.markers))
     return dict(deaths)
 
 
@@ -139,7 +145,7 @@ def judge(
     out_by_key = {r.key: r for r in outbox}
 
     # -- inbound: admitted means journaled; everything ends done, or dead by the rules --
-    deaths = _charged_deaths(incarnations)
+    deaths = charged_deaths(incarnations)
     excused: Counter[tuple[str, str]] = Counter()
     for id in messages:
         rec = in_by_id.get(id)

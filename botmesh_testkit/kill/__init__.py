@@ -22,7 +22,8 @@ outside world saw.
   redelivers every unacknowledged message to the next incarnation (:mod:`.parent`).
 * The child writes **markers** to the pipe before and after each journal write, each
   provider send and each handler run. ``stop_at=n`` makes a child freeze on its n-th
-  marker, so the parent kills it at an exact point (``after provider.send m7:1``: the
+  marker (``stop_at="after provider.send#2"``: on the second marker of that kind), so the
+  parent kills it at an exact point (``after provider.send m7:1``: the
   channel has it, the outbox does not know); other kills land after a random delay.
 * :class:`KillLoop` (:mod:`.loop`) kills and restarts one ``instance_id`` K times at
   seeded moments, lets the last incarnation drain, then :func:`judge`

@@ -86,7 +86,7 @@ class ChildConfig:
     ledger_path: str
     log_path: str
     workdir: str
-    stop_at: int | None = None
+    stop_at: int | str | None = None
     concurrency: int = 1
     fail_rate: float = 0.0
     seed: int = 0
@@ -121,11 +121,16 @@ class _Markers:
     """Progress markers to the parent. The marker whose count equals ``stop_at`` freezes
     the child (it waits to be killed)."""
 
-    def __init__(self, conn: Any, stop_at: int | None) -> None:
+    def __init__(self, conn: Any, stop_at: int | str | None) -> None:
         self.conn = conn
         self.stop_at = stop_at
         self.count = 0
+        self.seen: Counter[str] = Counter()
+        """Counted markers per ``"<when> <op>"`` (for a ``stop_at`` of ``"after provider.send#2"``)."""
         self.lock = threading.Lock()
+        self.dispatch: Callable[[tuple[Any, ...]], None] | None = None
+        """What handles a message of the parent (set once the bot is built); the ones
+        that come while frozen are handed to it when the parent lets the child go on."""
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.lock:
@@ -140,17 +145,45 @@ class _Markers:
             self.count += 1
             seq = self.count
         self.send(("mk", seq, when, op, ident, info, time.monotonic()))
-        if seq is not None and seq == self.stop_at:
-            self.freeze()
+        if seq is not None:
+            self.seen[f"{when} {op}"] += 1
+            if stop_reached(self.stop_at, seq, when, op, self.seen[f"{when} {op}"]):
+                self.freeze()
 
     def freeze(self) -> None:
-        """Wait here, the event loop blocked, for the parent's SIGKILL."""
+        """Wait here, the event loop blocked, for the parent's SIGKILL — or for its
+        ``("go", stop_at)``: the parent moved the kill to a later marker (a kill here
+        would have charged a message its last allowed execution, see
+        :meth:`botmesh_testkit.kill.loop.KillLoop.last_attempts`); what it sent meanwhile
+        is then handled as if it had come now."""
+        held: list[tuple[Any, ...]] = []
         while True:
             try:
-                if self.conn.poll(1.0):
-                    self.conn.recv()  # inbound fed meanwhile: never acknowledged, redelivered
+                if not self.conn.poll(1.0):
+                    continue
+                msg = self.conn.recv()
             except (EOFError, OSError):
                 os._exit(3)
+            if msg[0] == "go":
+                self.stop_at = msg[1]
+                for m in held:
+                    if self.dispatch is not None:
+                        self.dispatch(m)
+                return
+            held.append(msg)  # a message fed meanwhile: if this child is killed here, it is redelivered
+
+
+def stop_reached(stop_at: int | str | None, seq: int, when: str, op: str, nth: int) -> bool:
+    """Whether the counted marker number ``seq``, the ``nth`` ``"<when> <op>"`` one, is
+    where a child freezes: ``stop_at`` is that number, or ``"<when> <op>#<nth>"`` (e.g.
+    ``"after provider.send#2"``: right after the channel accepted the second send; the
+    same point however a busy machine interleaves the sweep's markers with it)."""
+    if stop_at is None:
+        return False
+    if isinstance(stop_at, int):
+        return seq == stop_at
+    label, _, n = stop_at.rpartition("#")
+    return label == f"{when} {op}" and n.isdigit() and int(n) == nth
 
 
 def _ident(args: tuple[Any, ...]) -> Any:
@@ -443,21 +476,25 @@ async def _child_main(cfg: ChildConfig, conn: Any) -> None:
         except Exception as exc:
             markers.send(("reply", req, {"settled": False, "error": repr(exc)}))
 
+    def on_message(msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "msg":
+            queue.put_nowait((msg[1], msg[2], msg[3]))
+        elif kind == "status":
+            task = asyncio.ensure_future(status(msg[1]))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        elif kind == "metrics":
+            markers.send(("reply", msg[1], d.metrics()))
+        elif kind == "stop":
+            stop.set()
+
+    markers.dispatch = on_message
+
     def on_readable() -> None:
         try:
             while conn.poll():
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "msg":
-                    queue.put_nowait((msg[1], msg[2], msg[3]))
-                elif kind == "status":
-                    task = asyncio.ensure_future(status(msg[1]))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                elif kind == "metrics":
-                    markers.send(("reply", msg[1], d.metrics()))
-                elif kind == "stop":
-                    stop.set()
+                on_message(conn.recv())
         except (EOFError, OSError):
             os._exit(3)  # the parent is gone
 

@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from ..backends.base import FileSpec, KillSpec, PostgresSpec, RedisSpec, SQLiteSpec, callable_name
-from ..checker.judge import KillOracle, judge
+from ..checker.judge import KillOracle, charged_deaths, judge, unfinished_charged
 from ..checker.violation import Violation
 from ..matrix.cells import POLICIES
 from ..matrix.profiles import KILL_MESSAGES
@@ -275,6 +275,33 @@ class KillLoop:
     def _start(self, run: Run, stop_at: int | None) -> Incarnation:
         return run.spawn("bot", self.instance_id, stop_at)
 
+    def last_attempts(self, run: Run, inc: Incarnation, earlier: dict[str, int] | None = None) -> list[str]:
+        """The inbound ids that a kill of ``inc`` now (by the markers the parent has read)
+        would charge their last allowed execution: ``inbox.max_attempts`` - 1 earlier
+        incarnations died with an execution of it unfinished, and ``inc`` has one in
+        flight. Counted as the judge counts (an upper bound, see
+        :func:`~botmesh_testkit.checker.judge.charged_deaths`).
+
+        The loop never kills there. By INB-7 the engine would rightly put such a
+        message in the DLQ after the kill, but a message does not *keep killing the
+        process* because the harness's random kills happened to land on its recovery
+        max_attempts times (a busy machine makes the early life of every incarnation,
+        where the last victim is re-executed, last longer: kills at small delays and
+        marker numbers all land there); the loop would then test INB-7 instead of the
+        recovery it is there for, and the sends that message never made are excused.
+        Messages that kill the process themselves still reach the DLQ: their own
+        deaths count, the harness only never adds the last one."""
+        if earlier is None:  # ``earlier``: charged_deaths of the other incarnations, when known
+            earlier = charged_deaths(i for i in run.incarnations if i is not inc)
+        return sorted(id for id in unfinished_charged(inc.markers) if earlier.get(id, 0) + 1 >= self.max_attempts)
+
+    def _drained(self, run: Run, inc: Incarnation) -> None:
+        """Read everything a stopped (SIGSTOP or frozen) child wrote before it stopped."""
+        before = -1
+        while before != len(inc.markers) and inc.alive:
+            before = len(inc.markers)
+            run.pump(0.0)
+
     def _crashed(self, inc: Incarnation) -> None:
         if inc.end == "died" and inc.exitcode is not None and inc.exitcode > 0:
             raise HarnessError(f"child {inc.name}#{inc.n} (pid {inc.pid}) crashed with exit code {inc.exitcode}; "
@@ -362,6 +389,10 @@ class KillLoop:
             planned = f"marker #{stop_at}" if mode == "marker" else f"{amount:.0f} ms after start"
             deadline = inc.started + self.cycle_timeout
             fed = False
+            earlier = charged_deaths(i for i in run.incarnations if i is not inc)
+            moved: list[str] = []
+            """Where this cycle's kill would have charged a message its last allowed
+            execution (see :meth:`last_attempts`): it moved on from there."""
             while inc.alive and time.monotonic() < deadline:
                 run.pump(0.005)
                 if inc.ready_at is not None and not fed:
@@ -371,12 +402,31 @@ class KillLoop:
                 if fed and run.nacked:
                     run.refeed_nacked(inc)
                 if mode == "marker" and inc.frozen:
-                    break
+                    self._drained(run, inc)
+                    spare = self.last_attempts(run, inc, earlier)
+                    if not spare:
+                        break
+                    # not here: the kill moves on to the next counted marker
+                    frozen_at = inc.last_marker()
+                    inc.stop_at = max((m.seq for m in inc.markers if m.seq is not None), default=0) + 1
+                    inc.frozen = False
+                    moved.append(f"{frozen_at} ({', '.join(spare)})")
+                    run.send(inc, ("go", inc.stop_at))
+                    continue
                 if mode == "delay" and time.monotonic() >= inc.started + amount / 1000.0:
-                    break
+                    if self.last_attempts(run, inc, earlier):
+                        continue  # wait for the next marker and look again
+                    run.freeze(inc)  # SIGSTOP: what it wrote before is all there is
+                    self._drained(run, inc)
+                    spare = self.last_attempts(run, inc, earlier)
+                    if not spare:
+                        break
+                    moved.append(f"{inc.last_marker() or 'startup'} ({', '.join(spare)})")
+                    run.thaw(inc)
                 if mode == "marker" and fed and not run.unacked():
                     last_t = inc.markers[-1].t if inc.markers else inc.ready_at or inc.started
-                    if time.monotonic() - last_t > max(0.15, 3 * self.options["poll_ms"] / 1000.0):
+                    if (time.monotonic() - last_t > max(0.15, 3 * self.options["poll_ms"] / 1000.0)
+                            and not self.last_attempts(run, inc, earlier)):
                         mode = "idle"
                         break
             if previous_info is not None and previous_kill is not None:
@@ -403,6 +453,11 @@ class KillLoop:
             else:
                 point = (f"after {1000.0 * (time.monotonic() - inc.started):.0f} ms"
                          + (f", last marker {last}" if last else ", before any marker"))
+            if moved:
+                notes.append(f"incarnation {inc.n}: kill moved on from {'; '.join(moved[:3])}"
+                             + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+                             + f": a kill there would have charged the message its last of "
+                             f"{self.max_attempts} executions (INB-7)")
             run.kill(inc, point)
             counted = [m.t for m in inc.markers if m.seq is not None]
             if len(counted) >= 2:

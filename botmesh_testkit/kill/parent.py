@@ -22,7 +22,7 @@ from typing import Any
 from botmesh.core.records import InboxRecord, OutboxRecord
 
 from ..backends.base import KillSpec
-from .childproc import ChildConfig, dumps_config, run_child
+from .childproc import ChildConfig, dumps_config, run_child, stop_reached
 from .spec import HarnessError, read_journal, run_sync
 
 
@@ -52,7 +52,7 @@ class Incarnation:
     name: str
     instance_id: str
     pid: int
-    stop_at: int | None
+    stop_at: int | str | None
     started: float
     proc: Any = field(repr=False, default=None)
     conn: Any = field(repr=False, default=None)
@@ -182,7 +182,7 @@ class Run:
         self._req = 0
 
     # -- children ----------------------------------------------------------------------
-    def spawn(self, name: str, instance_id: str, stop_at: int | None = None) -> Incarnation:
+    def spawn(self, name: str, instance_id: str, stop_at: int | str | None = None) -> Incarnation:
         import psutil
 
         n = len(self.incarnations) + 1
@@ -249,8 +249,10 @@ class Run:
         if kind == "mk":
             m = Mark(msg[1], msg[2], msg[3], msg[4], msg[5], msg[6])
             inc.markers.append(m)
-            if inc.stop_at is not None and m.seq == inc.stop_at:
-                inc.frozen = True
+            if m.seq is not None and inc.stop_at is not None:
+                nth = sum(1 for x in inc.markers if x.seq is not None and x.when == m.when and x.op == m.op)
+                if stop_reached(inc.stop_at, m.seq, m.when, m.op, nth):
+                    inc.frozen = True
         elif kind == "ack":
             self.acked.setdefault(msg[1], msg[2])
             self.nacked.pop(msg[1], None)

@@ -59,9 +59,10 @@ class Replicas:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def start(self, name: str, instance_id: str | None = None, *, stop_at: int | None = None) -> Incarnation:
+    def start(self, name: str, instance_id: str | None = None, *, stop_at: int | str | None = None) -> Incarnation:
         """Start replica ``name`` (instance id ``replica-<name>`` unless given) and wait
-        until it is ready. ``stop_at=n``: it freezes at its n-th marker (see
+        until it is ready. ``stop_at=n``: it freezes at its n-th counted marker; or
+        ``stop_at="after provider.send#2"``: at the second marker of that kind (see
         :meth:`wait_frozen`)."""
         inc = self.run.spawn(name, instance_id or f"replica-{name}", stop_at)
         if not self.run.wait(lambda: inc.ready_at is not None or inc.frozen or not inc.alive, self.timeout, "ready"):

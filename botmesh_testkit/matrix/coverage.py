@@ -214,9 +214,20 @@ def measure() -> Iterator[Measurement]:
         m.lines  # frozenset of engine.py line numbers; m.note is None
 
     When another tracer is active, nothing is started: ``m.lines`` stays empty and
-    ``m.note`` is :data:`NOTE_TRACER_ACTIVE`.
+    ``m.note`` is :data:`NOTE_TRACER_ACTIVE`. Inside an item that ``--botmesh-coverage``
+    measures (:mod:`.coverage_file`), the block is that cell's recovery context, and its
+    lines are read from that measurement.
     """
     result = Measurement()
+    from .coverage_file import active
+
+    data_file = active()
+    if data_file is not None:  # --botmesh-coverage measures this cell: its recovery context is the measurement
+        with data_file.recovery():
+            yield result
+        assert data_file.label is not None
+        result.lines = recovery_lines(data_file.lines(data_file.label, ENGINE_FILE))
+        return
     if tracer_active():
         result.note = NOTE_TRACER_ACTIVE
         yield result

@@ -72,7 +72,9 @@ class MatrixCellItem(ReportingItem):
         budget = cell_budget(self.config)
         with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
             try:
-                measure = bool(self.config.getoption("--botmesh-recovery-coverage"))
+                from ..matrix.coverage_file import active
+
+                measure = bool(self.config.getoption("--botmesh-recovery-coverage")) or active() is not None
                 self.outcome = asyncio.run(asyncio.wait_for(
                     run_cell(self.cell, self.seed, self.oracle, tmp, measure_recovery=measure), budget))
             except TimeoutError:
