@@ -684,6 +684,36 @@ def test_a_final_line_with_a_power_cut_hole_is_trimmed(tmp_path: Path, append_lo
     run(main())
 
 
+@pytest.mark.spec("BACK-5")
+def test_a_lost_page_swallowing_complete_acknowledged_lines_is_corruption(tmp_path: Path) -> None:
+    """BACK-5: a page of zeros that starts inside one line (after its length and
+    checksum) and runs over the newlines of the complete, acknowledged lines after it,
+    into the last one, leaves one "final line" with a sector-aligned hole — but its length says it ended
+    long before the file does: damage, refused, not trimmed as a torn write (trimming
+    silently dropped three acknowledged records: the corruption part found it)."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    run(build_journal(path))
+    good_log = log.read_bytes()
+    lines = [put_line(4 + i, f"k{4 + i}", 1, {"n": str(i) * 700}) for i in range(4)]
+    data = good_log + b"".join(lines)
+    first_end = len(good_log) + len(lines[0])
+    hole = (len(good_log) // 512 + 1) * 512  # a sector boundary inside the first new line
+    assert len(good_log) + 40 < hole < first_end
+    last_start = len(data) - len(lines[-1])
+    end = (last_start // 512 + 1) * 512  # ends inside the last line: its newline is the only one left after the hole
+    assert first_end < last_start < end < len(data) - 1
+    log.write_bytes(data[:hole] + b"\x00" * (end - hole) + data[end:])
+
+    async def main() -> None:
+        with pytest.raises(JournalCorruptError) as refused:
+            await opened(path, append_log=True)
+        assert refused.value.code == "APPEND_LOG_CORRUPT"
+
+    run(main())
+    assert log.read_bytes()[:hole] == data[:hole]  # nothing cut off by the refused open
+
+
 def _replace_line(log: bytes, index: int, new: bytes | None) -> bytes:
     lines = log.splitlines(keepends=True)
     if new is None:

@@ -644,9 +644,19 @@ def _lost_sectors(data: bytes, start: int) -> bool:
     the later page reached the disk and the earlier one did not (XFS sets the size at
     the later page's I/O completion; ext4's ordered mode orders only newly allocated
     blocks, not the rewrite of the partly filled page before them). That line was never
-    fsynced — an fsync would have written both pages — so it was never acknowledged."""
+    fsynced — an fsync would have written both pages — so it was never acknowledged.
+
+    When the line's length and checksum survived (the hole is after them), the length
+    must end the line exactly at the file's end: a hole that swallowed the newlines of
+    later, complete lines (a lost page in the middle of acknowledged data, which the
+    corruption part makes) is damage, not a torn write. When they did not survive, the
+    hole must start at the line's start (the append's first line, as a lost first page
+    leaves it)."""
     newline = data.find(b"\n", start)
     if newline != len(data) - 1:
+        return False
+    head = _FRAME_HEAD.match(data, start, newline)
+    if head is not None and head.end() + int(head.group(1)) != newline:
         return False
     pos = start
     while True:
@@ -656,7 +666,7 @@ def _lost_sectors(data: bytes, start: int) -> bool:
         b = a
         while b < newline and data[b] == 0:
             b += 1
-        if (a == start or a % SECTOR == 0) and b % SECTOR == 0:
+        if (a == start or (head is not None and a >= head.end() and a % SECTOR == 0)) and b % SECTOR == 0:
             return True
         pos = b
 
