@@ -67,21 +67,15 @@ def make():
 '''
 
 INCLUSIVE_SCAN = '''
-import asyncio
-import copy
-
 from botmesh.core.memory import MemoryKv
-from botmesh.core.spi import Versioned
 
 
 class InclusiveScanKv(MemoryKv):
-    """scan(after=k) lists k itself too."""
+    """scan(after=k) lists k itself too (built on MemoryKv's public scan only)."""
 
     async def scan(self, scope, space, *, after=None, limit=100):
-        records = self._space(scope, space)
-        keys = sorted(k for k in records if after is None or k >= after)[:limit]
-        await asyncio.sleep(0)
-        return [(k, Versioned(copy.deepcopy(records[k][0]), records[k][1])) for k in keys]
+        everything = await super().scan(scope, space, limit=1_000_000)
+        return [(k, v) for k, v in everything if after is None or k >= after][:limit]
 
 
 def make():
