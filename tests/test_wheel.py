@@ -212,7 +212,7 @@ def test_shipped_suite_runs_against_the_installed_wheel(tmp_path: Path, built: t
     assert listed and _under(listed.group(1), site), f"pytest does not load the plugin from the wheel:\n{plugins}"
 
     # -- (2) the shipped suite, scenarios and smoke matrix pass from the wheel ----------
-    parts = ["suite", "scenarios", "matrix", "explore", "kills", "powercuts"]
+    parts = ["suite", "scenarios", "matrix", "explore", "kills", "powercuts", "corruption"]
     args = ["--botmesh-backend=sqlite", "--botmesh-seed=1", "-q", "-rfE"]
     run = _run([*pytest_cmd, *args], cwd=empty, env=env, timeout=RUN_TIMEOUT)
     output = run.stdout + run.stderr
