@@ -753,3 +753,18 @@ def test_fixture_and_marker_as_a_user_runs_them(pytester: pytest.Pytester) -> No
                                            "--strict-markers", "-s")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*kill loop on sqlite, on_ambiguous=resend, seed 5: passed*", "*kills: 3*"])
+
+
+@spec("TEST-4", "GUAR-1", "EVENTS-2")
+@pytest.mark.parametrize("backend", ["events", "events-shared", "events-shared+log"])
+def test_the_kill_command_line_runs_on_the_event_journal_backends(backend: str, tmp_path: Any,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m botmesh_testkit.kill --backend events...``: the command line offers the
+    event-journal backends the plugin certifies, and a short loop on each passes."""
+    from botmesh_testkit import kill
+
+    code = kill.main(["--backend", backend, "--messages", "6", "--kills", "3", "--seed", "3",
+                      "--workdir", str(tmp_path / "w")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"kill loop on \S*events\S*, on_ambiguous=skip, seed 3: passed", out), out

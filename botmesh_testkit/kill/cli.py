@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     children journaled can be inspected (the prefix is printed)."""
     p = argparse.ArgumentParser(prog="python -m botmesh_testkit.kill",
                                 description="Kill a bot with SIGKILL in a loop and judge what the channel saw.")
-    p.add_argument("--backend", default="sqlite", choices=["file", "file+log", "sqlite", "postgres", "redis"])
+    p.add_argument("--backend", default="sqlite", choices=["file", "file+log", "sqlite", "events", "events-shared",
+                                                            "events-shared+log", "postgres", "redis"])
     p.add_argument("--postgres-url", default=None, metavar="URL",
                    help="server of --backend=postgres (default $BOTMESH_POSTGRES_URL)")
     p.add_argument("--redis-url", default=None, metavar="URL", help="server of --backend=redis (default $BOTMESH_REDIS_URL)")
