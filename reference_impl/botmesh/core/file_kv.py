@@ -408,6 +408,29 @@ class FileKv(DurableKv):
             self._commit_to_snapshot(changes)
         return [change.version for change in changes]
 
+    def _append_lines(self, lines: list[bytes]) -> None:
+        """Append ``lines`` (a group's log lines) to the log and count their bytes. Writes
+        cut at page boundaries, each fsync'ed before the next (:func:`_page_writes`): a
+        power cut finds at most one unsynced, and whatever it left of it is a torn final
+        line. Without fsync there is nothing to order: one write. On failure, what part
+        of the group reached the file is cut off again (or the next append would turn it
+        into a damaged line in the middle of the log) and ``BackendUnavailableError`` is
+        raised."""
+        assert self._log_fd is not None
+        data = b"".join(lines)
+        try:
+            for chunk in _page_writes(lines, self._log_bytes) if self._fsync else [data]:
+                self._io.append(self._log_fd, chunk, fsync=self._fsync)
+        except OSError as exc:
+            try:
+                self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
+            except OSError as undo:
+                self._broken = f"a failed append could not be undone ({undo})"
+            raise BackendUnavailableError(
+                f"{self._log_path}: cannot append to the log: {exc}", file=self._log_path
+            ) from exc
+        self._log_bytes += len(data)
+
     def _commit_to_log(self, changes: list[_Change]) -> None:
         assert self._log_fd is not None
         seq = self._seq
@@ -416,26 +439,9 @@ class FileKv(DurableKv):
             seq += 1
             lines.append(log_line(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
                                   c.entry, c.encoded))
-        # Writes cut at page boundaries, each fsync'ed before the next (_page_writes): a
-        # power cut finds at most one unsynced, and whatever it left of it is a torn
-        # final line. Without fsync there is nothing to order: one write.
-        data = b"".join(lines)
-        try:
-            for chunk in _page_writes(lines, self._log_bytes) if self._fsync else [data]:
-                self._io.append(self._log_fd, chunk, fsync=self._fsync)
-        except OSError as exc:
-            # Part of the group may be in the file: cut it off, or the next append would
-            # turn it into a damaged line in the middle of the log.
-            try:
-                self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
-            except OSError as undo:
-                self._broken = f"a failed append could not be undone ({undo})"
-            raise BackendUnavailableError(
-                f"{self._log_path}: cannot append to the log: {exc}", file=self._log_path
-            ) from exc
+        self._append_lines(lines)
         self._seq = seq
         self._log_entries += len(changes)
-        self._log_bytes += len(data)
         for c in changes:
             space_map = self._records.setdefault((c.scope, c.space), {})
             if c.entry is None:

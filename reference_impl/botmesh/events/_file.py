@@ -16,7 +16,7 @@ from typing import Any
 
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.file_format import Entry, Records, encode_value, log_line
-from botmesh.core.file_kv import FileKv, _page_writes, _SnapshotWriteFailed
+from botmesh.core.file_kv import FileKv, _SnapshotWriteFailed
 from botmesh.core.fileio import FileIO
 
 __all__ = ["Change", "JournalFile"]
@@ -112,23 +112,9 @@ class JournalFile(FileKv):
             seq += 1
             encoded = None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}")
             parts.append(log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded))
-        data = b"".join(parts)
-        try:
-            # Cut at page boundaries, each fsync'ed before the next, as FileKv's group
-            # commit does (file_kv._page_writes): a power cut leaves at most a torn final
-            # line, never a hole before complete lines, which the reader refuses (BACK-5).
-            for chunk in _page_writes(parts, self._log_bytes) if self._fsync else [data]:
-                self._io.append(self._log_fd, chunk, fsync=self._fsync)
-        except OSError as exc:
-            try:
-                self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
-            except OSError as undo:
-                self._broken = f"a failed append could not be undone ({undo})"
-            raise BackendUnavailableError(f"{self._log_path}: cannot append to the log: {exc}",
-                                          file=self._log_path) from exc
+        self._append_lines(parts)  # page-cut appends, undone on failure (FileKv's)
         self._seq = seq
         self._log_entries += len(changes)
-        self._log_bytes += len(data)
         for scope, space, key, entry, _ in changes:
             space_map = self._records.setdefault((scope, space), {})
             if entry is None:
