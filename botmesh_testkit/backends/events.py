@@ -11,12 +11,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from botmesh.core.backend import DurabilityBackend
 from botmesh.core.fileio import FileIO
 from botmesh.core.spi import Capabilities, DurableKv
-from botmesh.core.store import MemoryStore, Store
 
-from .base import BackendHarness, FactorySpec, KillSpec
+from .base import FactorySpec, KillSpec
+from .file import WorkdirJournalHarness
 
 MODES: dict[str, tuple[bool, bool]] = {
     "events": (False, False),
@@ -47,7 +46,7 @@ async def child_backend(workdir: str, name: str) -> Any:
     return events_durability(journal=await _open_journal(os.path.join(workdir, JOURNAL_FILE), name))
 
 
-class EventsHarness(BackendHarness):
+class EventsHarness(WorkdirJournalHarness):
     """``events_durability`` over a journal in the workdir; the bot's store is a
     MemoryStore kept across the restart (it stands for a persistent store)."""
 
@@ -70,21 +69,6 @@ class EventsHarness(BackendHarness):
         from botmesh.events import events_durability
 
         return events_durability(journal=await _open_journal(self.path, self.name, self.io))
-
-    async def open(self) -> tuple[DurabilityBackend, Store]:
-        self.backend = await self._open()
-        self.store = MemoryStore()
-        return self.backend, self.store
-
-    async def reopen(self) -> tuple[DurabilityBackend, Store]:
-        self.backend.abandon()
-        self.backend = await self._open()
-        return self.backend, self.store
-
-    async def close(self) -> None:
-        if self.backend is not None:
-            await self.backend.close()
-            self.backend = None
 
     def use_file_io(self, io: FileIO) -> bool:
         """The journals do all their data I/O through ``io`` (the shared journal's mutex

@@ -14,7 +14,35 @@ from botmesh.core.store import MemoryStore, Store
 from .base import BackendHarness, FileSpec, KillSpec
 
 
-class FileHarness(BackendHarness):
+class WorkdirJournalHarness(BackendHarness):
+    """A durability backend on a journal file in the workdir, opened by :meth:`_open`
+    (through ``self.io`` when set); the bot's store is a MemoryStore kept across the
+    restart (it stands for a persistent store). A restart abandons the old backend
+    (as a dead process would) and opens the journal again."""
+
+    backend: Any = None
+    io: FileIO | None = None
+
+    async def _open(self) -> Any:
+        raise NotImplementedError
+
+    async def open(self) -> tuple[DurabilityBackend, Store]:
+        self.backend = await self._open()
+        self.store = MemoryStore()
+        return self.backend, self.store
+
+    async def reopen(self) -> tuple[DurabilityBackend, Store]:
+        self.backend.abandon()
+        self.backend = await self._open()
+        return self.backend, self.store
+
+    async def close(self) -> None:
+        if self.backend is not None:
+            await self.backend.close()
+            self.backend = None
+
+
+class FileHarness(WorkdirJournalHarness):
     """``FileDurability`` (snapshot only, or with the append log); the bot's store is a
     MemoryStore kept across the restart (it stands for a persistent store)."""
 
@@ -38,21 +66,6 @@ class FileHarness(BackendHarness):
         from botmesh.core.file_backend import FileDurability
 
         return await FileDurability.open(self.path, append_log=self.append_log, fsync=self.fsync, io=self.io)
-
-    async def open(self) -> tuple[DurabilityBackend, Store]:
-        self.backend = await self._open()
-        self.store = MemoryStore()
-        return self.backend, self.store
-
-    async def reopen(self) -> tuple[DurabilityBackend, Store]:
-        self.backend.abandon()
-        self.backend = await self._open()
-        return self.backend, self.store
-
-    async def close(self) -> None:
-        if self.backend is not None:
-            await self.backend.close()
-            self.backend = None
 
     def use_file_io(self, io: FileIO) -> bool:
         """``FileDurability`` does all its file I/O through ``io`` (see
