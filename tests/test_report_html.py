@@ -7,6 +7,7 @@ skip, naming why; under ``BOTMESH_REQUIRE_SERVICES`` (CI) they fail."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import struct
@@ -386,3 +387,25 @@ def test_the_html_report_shows_markup_as_text_in_chromium(tmp_path: Path) -> Non
     shown = " ".join(dom.detail)
     assert EVIL in shown and EVIL_MESSAGE in shown
     assert dom.title == "botmesh certification report: not certified"  # the planted script did not run
+
+
+@pytest.mark.spec("TEST-4", "BACK-5")
+def test_the_html_report_shows_the_explore_and_corruption_runs_in_chromium(pytester: pytest.Pytester) -> None:
+    """The explore run's and the corruption part's headline lines (issue 12, issue 13),
+    which the JSON report carries, are on the page too: one block each, with the
+    counts the terminal printed."""
+    browser = require_chromium()
+    result = pytester.runpytest_subprocess(*RUN, "--botmesh-backend=file", "--botmesh-parts=explore,corruption",
+                                           "--botmesh-explore-examples=2", "--botmesh-seed=5",
+                                           "--botmesh-report=report.html")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    out = result.stdout.str()
+    explore_line = re.search(r"^  (explore on file, seed 5: \d+ stories.*: passed)$", out, re.M)
+    corruption_line = re.search(r"^  (corruption: 40 damaged variants of file's files: .*)$", out, re.M)
+    assert explore_line and corruption_line, out
+    page = pytester.path / "report.html"
+    dumped = _chromium(browser, pytester.path / "chromium-profile", page.as_uri(), "--dump-dom")
+    headings = re.findall(r"<h3>([^<]*)</h3>", dumped)
+    assert "Explore (1)" in headings and "Corruption (1)" in headings, headings
+    blocks = [html.unescape(b) for b in re.findall(r'<pre class="loop passed">(.*?)</pre>', dumped, re.S)]
+    assert explore_line.group(1) in blocks and corruption_line.group(1) in blocks, blocks

@@ -284,9 +284,9 @@ def _button(index: int, cell: dict[str, Any], wide: bool = False) -> str:
             f'title="{_e(title)}" aria-label="{_e(title)}">{_e(label)}</button>')
 
 
-def _kill_loops(lines: list[str]) -> str:
-    """The kill loops' headline lines, one block per loop (a loop's first line is not
-    indented)."""
+def _loops(heading: str, lines: list[str]) -> str:
+    """The headline lines of a part's runs (kill and power-cut loops, explore runs, the
+    corruption part), one block per run (a run's first line is not indented)."""
     loops: list[list[str]] = []
     for line in lines:
         if not line.startswith(" ") or not loops:
@@ -296,7 +296,7 @@ def _kill_loops(lines: list[str]) -> str:
         return ""
     blocks = "".join(f'<pre class="loop {"failed" if "FAILED" in loop[0] else "passed"}">{_e(chr(10).join(loop))}</pre>'
                      for loop in loops)
-    return f"<h3>Kill loops ({len(loops)})</h3>{blocks}"
+    return f"<h3>{heading} ({len(loops)})</h3>{blocks}"
 
 
 def _reproduce(command: Any) -> str:
@@ -352,7 +352,9 @@ def _backend_section(n: int, b: dict[str, Any], cells_html: str) -> str:
         out.append(f'<h3>Broken ({len(broken)})</h3><table class="broken"><thead><tr><th>id</th><th>items</th>'
                    f'<th>requirement</th></tr></thead><tbody>{body}</tbody></table>')
     out.append(cells_html)
-    out.append(_kill_loops(b.get("kill_loops", [])))
+    out.append(_loops("Kill loops", b.get("kill_loops", [])))
+    out.append(_loops("Explore", b.get("explore", [])))
+    out.append(_loops("Corruption", b.get("corruption", [])))
     skips = b.get("skips", [])
     if skips:
         body = "".join(f'<tr><td>{int(s["count"])}</td><td>{_e(", ".join(s.get("parts", [])))}</td>'
