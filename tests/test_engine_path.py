@@ -1,8 +1,10 @@
 """The engine's per-message path after issue 16: what one message costs the journal
-(four writes and the one read of the reply's key), that a send journaled before under a
-reply's key is still answered from the outbox with its ``before("send")`` hooks not run
-again (OUT-10: explore found it when that read was skipped too), and that heartbeats
-still run on the real clock, whose first beat is now a timer.
+(four writes, no read: the reply of an inbound journaled just now is journaled without
+looking its key up first), that a send journaled before under a reply's key is still
+answered from the outbox — by the journal write's conflict when the lookup was skipped,
+with the ``before("send")`` hooks not run again when this process used that key
+(OUT-10: explore found it when a handler enqueued under its next reply's derived key)
+— and that heartbeats still run on the real clock, whose first beat is now a timer.
 
 Async code runs through ``asyncio.run`` inside plain tests. Nothing here times anything:
 the real-clock test waits for events, with a long timeout only so that a broken
@@ -60,12 +62,12 @@ def replying_bot(kv: MemoryKv, provider: MockProvider, **durability: Any) -> Bot
 
 
 @spec("INB-1", "OUT-1", "OUT-2")
-def test_a_message_costs_four_journal_writes_and_one_read() -> None:
+def test_a_message_costs_four_journal_writes_and_no_read() -> None:
     """One inbound and one reply: the inbound journaled, the reply journaled in state
-    ``sending``, marked sent, the inbound completed — four CAS writes; one read, the
-    lookup of the reply's key before its hooks run (OUT-2, OUT-10). No read before a
-    CAS (the records were written last by this instance) and no lookup of a next part
-    after a whole reply. Replies all went out."""
+    ``sending``, marked sent, the inbound completed — four CAS writes, no read: not
+    before a CAS (the records were written last by this instance), not of a next part
+    after a whole reply, and not of the reply's key (the inbound was journaled just
+    now and no explicit key of that shape was used here). Replies all went out."""
 
     async def body() -> Counter[str]:
         kv = CountingKv()
@@ -82,7 +84,47 @@ def test_a_message_costs_four_journal_writes_and_one_read() -> None:
         return calls
 
     calls = run(body())
-    assert calls == Counter(put=20, get=5), f"5 messages: expected 20 writes and 5 reads, got {dict(calls)}"
+    assert calls == Counter(put=20), f"5 messages: expected 20 writes and no read, got {dict(calls)}"
+
+
+@spec("OUT-2", "OUT-10")
+@pytest.mark.parametrize("how", ["enqueue", "send"])
+def test_a_reply_under_a_key_this_process_used_explicitly_is_looked_up_first(how: str) -> None:
+    """OUT-10 (found by explore): a handler that first sends (or enqueues) under the
+    derived key its next reply will take, then replies. The reply is answered from the
+    outbox without running the ``before("send")`` hooks a second time: an explicit key
+    of the derived shape used in this process turns the lookup back on. One text goes
+    out, once; with the lookup skipped the hooks ran twice."""
+
+    async def body() -> tuple[list[str], list[Any], dict[str, int]]:
+        kv = CountingKv()
+        provider = MockProvider()
+        bot = Bot(provider, MemoryStore(), {"backend": KvDurability(kv, name="counting"), "poll_ms": "1h"})
+        hooked: list[Any] = []
+        bot.before("send", lambda chat_id, content: hooked.append(content.get("text")))
+
+        @bot.otherwise
+        async def handler(ctx: Any) -> None:
+            key = f"{ctx.record_id}:1"
+            if how == "enqueue":
+                await ctx.bot.enqueue(ctx.event.chat_id, "first", idempotency_key=key)
+            else:
+                await ctx.bot.send(ctx.event.chat_id, "first", idempotency_key=key)
+            await ctx.reply("first")
+
+        await bot.start()
+        await provider.receive("c1", "hi", id="m1")
+        for _ in range(3):  # the enqueued send's delivery task
+            await asyncio.sleep(0)
+        assert bot.durability is not None
+        metrics = bot.durability.metrics()
+        await bot.stop()
+        return provider.texts(), hooked, metrics
+
+    texts, hooked, metrics = run(body())
+    assert hooked == ["first"], f"the hooks ran {len(hooked)} times for one journaled send: {hooked}"
+    assert texts == ["first"], texts
+    assert metrics["outbox_journaled"] == 1, metrics
 
 
 @spec("OUT-2", "OUT-5", "OUT-10")
@@ -90,10 +132,13 @@ def test_a_message_costs_four_journal_writes_and_one_read() -> None:
 def test_a_fresh_inbound_whose_reply_key_is_in_the_outbox_is_answered_from_it(recorded_text: str) -> None:
     """An inbound journaled just now whose reply's derived key is recorded already (an
     explicit key of another send, or a record left by a purged inbound of the same id):
-    the reply is answered from the outbox (OUT-2), not sent again, and the
-    ``before("send")`` hooks do not run for it (OUT-10); content other than recorded is
-    counted as diverged and sent under a key of its own (OUT-5, ``on_diverged`` default
-    ``send``), the hooks running once for it, the recorded one left as it was."""
+    the reply is answered from the outbox (OUT-2), not sent again; content other than
+    recorded is counted as diverged and sent under a key of its own (OUT-5,
+    ``on_diverged`` default ``send``), the recorded one left as it was. The reply's key
+    is not looked up first (a record of another process or an earlier life of the id:
+    this process never used the key), so the ``before("send")`` hooks run once here in
+    both cases — once per incarnation, as OUT-10 allows — and when the key turns out
+    recorded their output is dropped."""
 
     async def body() -> tuple[list[str], dict[str, int], OutboxRecord | None, list[Any]]:
         kv = MemoryKv()
@@ -123,11 +168,10 @@ def test_a_fresh_inbound_whose_reply_key_is_in_the_outbox_is_answered_from_it(re
         assert texts == [], f"the recorded reply must not be sent again; sent {texts}"
         assert metrics["outbox_deduped"] == 1, metrics
         assert metrics["outbox_diverged"] == 0, metrics
-        assert hooked == [], f"the hooks ran for a send answered from the outbox: {hooked}"
     else:
         assert metrics["outbox_diverged"] == 1, metrics
         assert texts == ["ok"], f"on_diverged=send: the new content is sent once; sent {texts}"
-        assert hooked == ["ok"], f"the hooks must run once, for the new send: {hooked}"
+    assert hooked == ["ok"], f"the hooks must run once: {hooked}"
     assert stored is not None and (stored.state, stored.message_id) == ("sent", "earlier")
 
 

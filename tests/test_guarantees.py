@@ -655,16 +655,19 @@ async def test_durable_bot_with_a_memory_store_and_persistent_flows_warns(tmp_pa
 
 # -- INB-2 against a journal that fails under a send ----------------------------------------
 class _FailsOnce(MemoryDurability):
-    """``outbox_get`` or ``outbox_journal`` of one key fails once, as a dropped
-    connection does. (Before issue 16 the engine also looked for a next part after a
-    whole send, the second place such a failure landed; it no longer does.)"""
+    """``outbox_get`` or ``outbox_journal`` of a key fails once per ``method:key`` given,
+    as a dropped connection does. (Before issue 16 the engine also looked for a next part
+    after a whole send, and looked a fresh inbound's reply key up: the other places such
+    a failure landed; lookups are left to replays now.)"""
 
-    def __init__(self, method: str, key: str) -> None:
+    def __init__(self, *failures: str) -> None:
         super().__init__()
-        self.method, self.key, self.failed = method, key, False
+        self.pending = set(failures)
+        self.failed = False
 
     def _fail(self, method: str, key: str) -> None:
-        if method == self.method and key == self.key and not self.failed:
+        if f"{method}:{key}" in self.pending:
+            self.pending.discard(f"{method}:{key}")
             self.failed = True
             raise BackendUnavailableError(f"connection reset under {method}")
 
@@ -678,17 +681,19 @@ class _FailsOnce(MemoryDurability):
 
 
 @spec("INB-2", "INB-5", "INB-9", "OUT-2")
-@pytest.mark.parametrize(("method", "failing_key", "deduped"), [
-    ("outbox_get", "m1:2", 1), ("outbox_journal", "m1:2", 1), ("outbox_journal", "m1:1", 0),
-], ids=["looking-up-reply-2", "journaling-reply-2", "journaling-reply-1"])
+@pytest.mark.parametrize(("failures", "attempts", "deduped"), [
+    (("outbox_journal:m1:2", "outbox_get:m1:2"), 3, 2), (("outbox_journal:m1:2",), 2, 1),
+    (("outbox_journal:m1:1",), 2, 0),
+], ids=["looking-up-reply-2-in-the-replay", "journaling-reply-2", "journaling-reply-1"])
 async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(
-    method: str, failing_key: str, deduped: int, tmp_path: Any
+    failures: tuple[str, ...], attempts: int, deduped: int, tmp_path: Any
 ) -> None:
-    """The journal fails under a handler's send — looking up or journaling the second
-    reply, after the first was sent, or journaling the first: the handler is cut short,
-    so the inbound record is not completed (INB-2) but retried with backoff; the replay
-    answers a reply sent before from the outbox and sends the rest."""
-    backend = _FailsOnce(method, failing_key)
+    """The journal fails under a handler's send — journaling the second reply, after the
+    first was sent (and then, in the replay, looking that reply's key up), or journaling
+    the first: the handler is cut short, so the inbound record is not completed (INB-2)
+    but retried with backoff, once per failure; a replay answers a reply sent before
+    from the outbox and sends the rest."""
+    backend = _FailsOnce(*failures)
 
     class Harness(MemoryHarness):
         async def open(self) -> Any:
@@ -703,6 +708,6 @@ async def test_a_send_failing_on_the_journal_leaves_the_inbound_to_be_retried(
     await world.drain()
     assert world.channel.texts() == ["one:hi", "two:hi"]
     rec = await world.bot.durability.inbox.get("m1")
-    assert (rec.state, rec.attempts) == ("done", 2)
+    assert (rec.state, rec.attempts) == ("done", attempts) and not backend.pending
     assert world.bot.durability.metrics()["outbox_deduped"] == deduped
     await world.close()

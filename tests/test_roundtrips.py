@@ -14,8 +14,9 @@ What is pinned:
   when it conflicts, and the conflict carries the record found (``current``) — a read
   creeping back before (or after) a CAS with a known version makes these fail;
 * a message through a bot costs exactly one round trip per kv call (the stores add
-  none of their own), and — once the engine writes with the versions it knows — at
-  most 4 (one per journal write);
+  none of their own), and at most 4 (one per journal write: the engine writes with the
+  versions it knows, and the reply of an inbound journaled just now is journaled
+  without a lookup of its key);
 * Redis auto-pipelining: calls made while a round trip is in flight share the next one
   (each with its own result), a batch cut by a lost connection fails each of its calls
   with ``BackendUnavailableError``, a ``NOSCRIPT`` batch is resent once after the
@@ -405,13 +406,6 @@ async def test_a_message_costs_one_round_trip_per_kv_call(backend: str) -> None:
 
 
 @spec("BACK-2", "BACK-3", "BACK-7")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 16, not met: 5 round trips per message (4 journal writes + the lookup of the reply's key in "
-    "the outbox, which OUT-10 needs: explore found a handler enqueueing under its next reply's derived key); "
-    "the stores take one round trip per kv call and KvDurability no longer reads before a CAS it knows",
-)
 @pytest.mark.parametrize("backend", ["postgres", "redis"])
 async def test_a_message_costs_at_most_four_round_trips(backend: str) -> None:
     """Issue 16's target: at most 4 round trips per message on PostgreSQL and Redis, one

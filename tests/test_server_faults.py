@@ -779,22 +779,26 @@ async def test_proxy_outcome_unknown_never_double_sends(kind: str, request: pyte
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_reply_failing_on_the_backend_is_not_lost(kind: str, request: pytest.FixtureRequest) -> None:
     """A send failing on the journal, made deterministic: inside
-    the handler, the reply of the backend's next answer is cut (the server closes the
-    connection), so ``ctx.reply`` raises ``BackendUnavailableError`` before anything is
-    journaled; the next call (the completion of the inbound record) works. INB-2 says the
+    the handler, the backend's next two answers are cut (the server closes the
+    connection): the journal write of the reply, and the read that would tell whether
+    it landed, so ``ctx.reply`` raises ``BackendUnavailableError`` — the reply may or
+    may not be journaled (here it was, in state ``sending``: a record whose provider call
+    nobody can rule out after the fact, so ``on_ambiguous="resend"``: under ``skip`` it
+    would be reported ambiguous, OUT-14, and never sent); the next call (the completion
+    of the inbound record) works. INB-2 says the
     record is ``done`` only when every send it made is recorded in the outbox, so the
     record must be processed again (INB-9: handlers are at-least-once) and the reply
     delivered — once. The sweep is driven by hand (``poll_ms`` 60 s) so that the cut
     cannot hit anything else."""
     server = _server(kind, request)
     proxy = await _proxy_for(server)
-    ch = Channel(_target(kind, server, via=proxy, name="inb6"), replies=1, on_ambiguous="skip", poll_ms=60_000)
+    ch = Channel(_target(kind, server, via=proxy, name="inb6"), replies=1, on_ambiguous="resend", poll_ms=60_000)
     cuts: list[str] = []
 
     def cut_once(ctx: Any, n: int) -> None:
         if not cuts:
             cuts.append(ctx.event.id)
-            proxy.cut_reply_after(0)
+            proxy.cut_reply_after(0, times=2)
 
     ch.before_reply = cut_once
     try:
@@ -803,7 +807,7 @@ async def test_reply_failing_on_the_backend_is_not_lost(kind: str, request: pyte
         await ch.until_healthy()
         await asyncio.sleep(0.1)  # the first sweep (at start) is over: nothing else talks to the server
         acked = await ch.feed("x000", "chat-x")
-        assert cuts == ["x000"] and proxy.stats.faults_fired.get("cut_reply") == 1, (cuts, proxy.stats)
+        assert cuts == ["x000"] and proxy.stats.faults_fired.get("cut_reply") == 2, (cuts, proxy.stats)
         assert [e["stage"] for e in ch.errors] == ["handler"], ch.errors
         deadline = time.monotonic() + 2 * LEASE_MS / 1000 + 1
         while not ch.provider.sent and time.monotonic() < deadline:

@@ -32,11 +32,12 @@ The faults:
     own timeout. Bytes read meanwhile are held and forwarded when the blackhole ends
     (what TCP retransmission does across a healed partition), or discarded with
     ``drop=True``.
-``cut_reply_after(nbytes)``
+``cut_reply_after(nbytes, times=1)``
     one shot: on the first connection that receives server bytes after the call, only
     ``nbytes`` more bytes reach the client, then the client's connection is closed and
     the server's reset: a reply cut in the middle. A client must report an error, never
-    a truncated value.
+    a truncated value. ``times=n``: the next ``n`` replies are cut so (a write cut, then
+    the read that would resolve its outcome).
 ``cut_after_request(match=None)``
     one shot, "outcome unknown" (OUT-14): the next chunk a client sends (the next one
     containing ``match`` when given; the match is looked for inside one chunk, which is how
@@ -162,6 +163,7 @@ class FaultProxy:
         self._flowing.set()
         self._refuse = False
         self._cut_reply: int | None = None
+        self._cut_reply_left = 0
         self._cut_request_armed = False
         self._cut_request_match: bytes | None = None
 
@@ -245,12 +247,14 @@ class FaultProxy:
         """Reset new connections as soon as they are accepted, while on."""
         self._refuse = on
 
-    def cut_reply_after(self, nbytes: int) -> None:
-        """One shot: let ``nbytes`` more bytes of the next server reply through, then
-        drop that connection."""
+    def cut_reply_after(self, nbytes: int, times: int = 1) -> None:
+        """One shot (``times`` shots): let ``nbytes`` more bytes of the next server reply
+        through, then drop that connection."""
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        self._cut_reply = nbytes
+        if times < 1:
+            raise ValueError("times must be >= 1")
+        self._cut_reply, self._cut_reply_left = nbytes, times
 
     def cut_after_request(self, match: bytes | None = None) -> None:
         """One shot: forward the next client chunk (containing ``match`` if given) to the
@@ -388,7 +392,10 @@ class FaultProxy:
             return True
         budget = link.reply_budget
         if budget is None and self._cut_reply is not None:
-            budget, self._cut_reply = self._cut_reply, None
+            budget = self._cut_reply
+            self._cut_reply_left -= 1
+            if self._cut_reply_left <= 0:
+                self._cut_reply = None
         if budget is not None:
             if len(data) >= budget:
                 link.cwriter.write(data[:budget])
@@ -488,8 +495,8 @@ class ThreadedFaultProxy:
     def refuse(self, on: bool = True) -> None:
         self._call(self.proxy.refuse, on)
 
-    def cut_reply_after(self, nbytes: int) -> None:
-        self._call(self.proxy.cut_reply_after, nbytes)
+    def cut_reply_after(self, nbytes: int, times: int = 1) -> None:
+        self._call(self.proxy.cut_reply_after, nbytes, times)
 
     def cut_after_request(self, match: bytes | None = None) -> None:
         self._call(self.proxy.cut_after_request, match)

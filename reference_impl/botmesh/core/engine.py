@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic
@@ -56,6 +57,11 @@ from .outcomes import METRIC_KEYS, SendResult, _Dead, _Failed, _Sent, derive_sco
 from .sweep import Purger, Replays, default_instance_id
 
 log = logging.getLogger("botmesh.durability")
+
+DERIVED_SHAPED_MAX = 10_000
+"""Explicit keys shaped like derived ones (``…:<n>``) a runtime remembers; past that every
+send looks its key up before its hooks run (OUT-10)."""
+_DERIVED_SHAPE = re.compile(r":[0-9]+$")
 
 __all__ = ["METRIC_KEYS", "DurabilityRuntime", "SendResult", "derive_scope"]
 
@@ -110,6 +116,12 @@ class DurabilityRuntime(Generic[CtxT]):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweep_task: asyncio.Task[None] | None = None
         self._local_inbound: set[str] = set()
+        self._fresh_inbound: set[str] = set()
+        """Inbound records journaled by :meth:`admit` in this process and running their
+        first execution here: no earlier execution can have journaled their derived sends."""
+        self._derived_shaped: set[str] | None = set()
+        """Explicit keys used here that have the shape of a derived one (``…:<n>``); None
+        once more than :data:`DERIVED_SHAPED_MAX` were seen (every send looks up its key)."""
         self._chat_locks: dict[str, asyncio.Lock] = {}
         self._key_locks = KeyLocks(self.clock)  # OUT-2, OUT-10: one send per key at a time
         self._seq = 0
@@ -252,6 +264,7 @@ class DurabilityRuntime(Generic[CtxT]):
                 self._count("inbound_duplicates")
                 return True
             self._count("inbound_journaled")
+            self._fresh_inbound.add(stored.id)
             try:
                 await self._execute(stored, event)
             except Exception as exc:
@@ -259,6 +272,8 @@ class DurabilityRuntime(Generic[CtxT]):
                 # failed (its completion or retry could not be written): its lease runs out
                 # and the sweep finishes it, answered from the outbox (INB-2, INB-3)
                 await self.bot.emit("error", {"error": exc, "stage": "inbox.settle", "id": event.id})
+            finally:
+                self._fresh_inbound.discard(stored.id)
             return True
 
     async def _execute(self, record: InboxRecord, live_event: InboundEvent | None) -> None:
@@ -512,7 +527,13 @@ class DurabilityRuntime(Generic[CtxT]):
     def _key_for(self, ctx: HandlerContext | None, explicit: str | None) -> tuple[str, str]:
         if explicit is not None:
             # OUT-3 rule 1 (per bot: the scope isolates it, OUT-4); never a part's key (OUT-12)
-            return contentlib.check_idempotency_key(explicit), "explicit"
+            key = contentlib.check_idempotency_key(explicit)
+            shaped = self._derived_shaped
+            if shaped is not None and _DERIVED_SHAPE.search(key):
+                shaped.add(key)
+                if len(shaped) > DERIVED_SHAPED_MAX:
+                    self._derived_shaped = None
+            return key, "explicit"
         if ctx is not None and ctx.record_id is not None:
             ctx.send_count += 1
             return f"{ctx.record_id}:{ctx.send_count}", "derived"  # rule 2
@@ -550,7 +571,10 @@ class DurabilityRuntime(Generic[CtxT]):
     async def _find_send(self, key: str, rule: str, fp: str) -> OutboxRecord | str:
         """The record of a send journaled before under ``key`` (OUT-2), or the key to
         journal it under: ``key``, or a new one when a replay diverged (OUT-5)."""
-        existing = await self.backend.outbox_get(self.scope, key)
+        return await self._settle_found(key, rule, fp, await self.backend.outbox_get(self.scope, key))
+
+    async def _settle_found(self, key: str, rule: str, fp: str, existing: OutboxRecord | None) -> OutboxRecord | str:
+        """:meth:`_find_send` once the record under ``key`` (or None) is known."""
         if existing is not None and rule == "derived" and existing.fingerprint != fp:  # OUT-5
             self._count("outbox_diverged")
             log.warning(
@@ -569,10 +593,20 @@ class DurabilityRuntime(Generic[CtxT]):
         whether it existed, and whether this call journaled it whole in state ``sending``
         (``_inline``'s ``alone``); or the result when nothing is to be sent now.
 
-        The key is looked up before the ``before("send")`` hooks run, also for a reply of
-        an inbound record journaled just now: any send may have used it as an explicit
-        key, and then the hooks must not run (OUT-10; found by explore)."""
-        found = await self._find_send(key, rule, fp)
+        The key is looked up before the ``before("send")`` hooks run: a send under it may
+        have been journaled before, and then the hooks must not run in this incarnation
+        again (OUT-10; found by explore: a handler enqueueing under its next reply's
+        derived key). One lookup is skipped (a round trip per message saved, issue 16):
+        a derived key of an inbound record in its first execution here (:meth:`admit`
+        journaled it), when no explicit key of that shape was used in this process —
+        nothing can be under it but another process's explicit key, and then the
+        journal's create conflicts, returns that record, and it is settled as the
+        lookup's would have been (OUT-2, OUT-5); the hooks ran once here for it, which
+        OUT-10 allows (once per incarnation)."""
+        shaped = self._derived_shaped
+        blind = (rule == "derived" and ctx is not None and ctx.record_id in self._fresh_inbound
+                 and shaped is not None and key not in shaped)
+        found = key if blind else await self._find_send(key, rule, fp)
         if isinstance(found, OutboxRecord):
             return found, True, False
         key = found
@@ -583,6 +617,14 @@ class DurabilityRuntime(Generic[CtxT]):
         if isinstance(encoded, SendResult):
             return encoded
         rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
+        if not created and blind:  # the record under the key, settled as a lookup would have
+            settled = await self._settle_found(key, rule, fp, rec)
+            if isinstance(settled, str):  # diverged (OUT-5): journaled under its own key
+                found = await self._find_send(settled, "explicit", fp)
+                if isinstance(found, OutboxRecord):
+                    return found, True, False
+                key = settled
+                rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
         if not created:
             return rec, True, False  # another process journaled this key meanwhile (OUT-2)
         if rec.state != "sending":  # split into parts (OUT-12)
