@@ -892,6 +892,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="*", choices=["memory", "postgres", "redis", "redis-unpiped", "redis-everysec"],
                    help="run only these rows")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    _against.add_options(p)
     args = p.parse_args(argv)
     if args.raw_seconds <= 0:
         p.error("--raw-seconds must be > 0")
