@@ -37,8 +37,9 @@ version, current first (A B A B ...). Each run is a child process writing its fi
 flat ``{name: number or text}``, the ``figures()`` of the script) to a temporary JSON file;
 the table shows, per figure, the median over the rounds of each version and the ratio
 new/old of the medians (``current / REF``: above 1 means the current code gives a larger
-number, which is better for a rate and worse for a time), and with several rounds the
-ratios per round. ``--json PATH`` writes all of it instead of the script's own JSON.
+number, which is better for a rate and worse for a time; ``-`` where a figure is zero or
+negative on a side, e.g. an overhead in %), and with several rounds the ratios per round.
+``--json PATH`` writes all of it instead of the script's own JSON.
 
 A REF that is neither a path nor a git ref, that does not install, or whose interpreter
 does not import ``botmesh``: one error naming REF on stderr, exit status 2.
@@ -395,8 +396,8 @@ def _median(values: list[Any]) -> Any:
 def _ratio(new: Any, old: Any) -> float | None:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (new, old)):
         return None
-    if old == 0:
-        return None
+    if old <= 0 or new < 0:
+        return None  # a ratio of a signed figure (an overhead of -3 %) or of zero says nothing
     return float(new) / float(old)
 
 
