@@ -375,6 +375,8 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
     a = abs(value)
     if a >= 100:
         return f"{value:,.0f}"
