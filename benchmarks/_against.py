@@ -32,7 +32,7 @@ in REF's interpreter, and what is missing is reported in one line, ``<script>: n
 <ref>: <what>``, exit status 0 (nothing to compare is a result, not an error); the same
 line comes when REF's run fails on an ``ImportError``.
 
-Alternation: ``--rounds N`` (default 1) rounds, each running the whole benchmark once per
+Alternation: ``--rounds N`` (default 2) rounds, each running the whole benchmark once per
 version, current first (A B A B ...). Each run is a child process writing its figures (a
 flat ``{name: number or text}``, the ``figures()`` of the script) to a temporary JSON file;
 the table shows, per figure, the median over the rounds of each version and the ratio
@@ -295,7 +295,7 @@ def missing_in(python: str, needs: list[tuple[str, list[str]]]) -> list[str]:
 
 
 # -- the options and the child side -------------------------------------------------------------
-def add_options(parser: argparse.ArgumentParser, *, rounds: int = 1) -> None:
+def add_options(parser: argparse.ArgumentParser, *, rounds: int = 2) -> None:
     """``--against REF``, ``--rounds N`` and the hidden option a child writes its figures with.
 
     Abbreviated options are switched off on ``parser`` so that the parent can drop exactly
