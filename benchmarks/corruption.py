@@ -11,6 +11,7 @@ the journals, close — everything a variant does but the damage and the judging
 
     python benchmarks/corruption.py                      # file, file+log, sqlite; 40 variants
     python benchmarks/corruption.py --variants 200 --backend sqlite
+    python benchmarks/corruption.py --variants 10 --against main   # beside main (benchmarks/_against.py)
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import argparse
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import time
+from typing import Any
 
 from botmesh_testkit.backends.registry import resolve
 from botmesh_testkit.checker.journal import read_journal
 from botmesh_testkit.matrix.corruption import SCOPE, CorruptionRun, _image, _workload, corruption_loop
+
+import _against
 
 
 async def baseline(backend: str, variants: int, workdir: str) -> float:
@@ -55,14 +60,18 @@ async def baseline(backend: str, variants: int, workdir: str) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", action="append", help="backend (repeatable; default file, file+log, sqlite)")
     parser.add_argument("--variants", type=int, default=40, help="damaged variants per backend (default 40, smoke)")
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+    _against.add_options(parser)
+    args = parser.parse_args(argv)
     if args.variants < 1:
         parser.error(f"--variants must be >= 1, got {args.variants}")
+    if args.against:
+        return _against.compare(__file__, args, argv)
+    figures: dict[str, Any] = {}
     backends = args.backend or ["file", "file+log", "sqlite"]
     print(f"{'backend':<10} {'variants':>8} {'seconds':>8} {'var/s':>7} {'baseline s':>10} {'x baseline':>10}  outcomes")
     for backend in backends:
@@ -74,12 +83,20 @@ def main() -> None:
             seconds = time.perf_counter() - started
         if not isinstance(run, CorruptionRun):
             print(f"{backend:<10} not applicable: {run}")
+            figures[f"{backend}: variants/s"] = f"not applicable: {str(run)[:60]}"
             continue
         c = run.counts
+        figures[f"{backend}: variants/s"] = len(run.variants) / seconds
+        figures[f"{backend}: x baseline"] = seconds / base
+        figures[f"{backend}: refused"] = c["refused"]
         print(f"{backend:<10} {len(run.variants):>8} {seconds:>8.2f} {len(run.variants) / seconds:>7.1f} {base:>10.2f} "
               f"{seconds / base:>10.2f}  refused {c['refused']}, intact {c['intact']}, torn {c['torn']}, "
               f"altered {c['altered']}, foreign {c['foreign']}")
 
 
+    _against.emit(args, figures)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -88,6 +88,8 @@ from botmesh_testkit.crash import CrashableProvider, crashable
 from botmesh_testkit.matrix import Cell, Oracle, draw_cells, oracle, run_cell
 from botmesh_testkit.matrix.profiles import load_profile
 
+import _against
+
 DEFAULT_BACKENDS = ["memory", "file", "file+log", "sqlite", "postgres", "redis"]
 PARTS = ("cells", "overhead")
 WARMUP = 10  # untimed messages per bot before the timed part of an overhead repetition
@@ -626,6 +628,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--list-cells", action="store_true",
                    help="print the id of every cell drawn (as the plugin would draw them) and run none")
+    _against.add_options(p)
     args = p.parse_args(argv)
     args.parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
     if not args.parts or any(x not in PARTS for x in args.parts):
@@ -642,9 +645,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def figures(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: per backend cells/s, ms per cell, crashable's overhead."""
+    out: dict[str, Any] = {}
+    for backend, e in results.get("backends", {}).items():
+        if "skipped" in e:
+            out[f"{backend}: cells/s"] = f"skipped: {e['skipped'][:60]}"
+            continue
+        c, o = e.get("cells"), e.get("overhead")
+        if c:
+            out[f"{backend}: cells/s"] = c["cells_per_s"]
+            out[f"{backend}: median ms/cell"] = c["median_ms"]
+            out[f"{backend}: cells failed"] = c["failed"]
+        if o:
+            out[f"{backend}: crashable overhead %"] = 100 * o["overhead"]
+            out[f"{backend}: bare msg/s"] = o["bare_msg_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
     results = asyncio.run(main_async(args))
+    _against.emit(args, figures(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)

@@ -61,6 +61,8 @@ from botmesh.core.testing import MockProvider
 from botmesh.sqlite_store import SQLiteStore
 from botmesh_testkit.crash import PROVIDER_SEND, crashable
 
+import _against
+
 PURGE_OPS = ("inbox.purge", "outbox.purge")
 WARMUP = 10  # messages fed before the timed loop of every repetition (not timed)
 
@@ -536,6 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="messages of the crashable run that counts writes per message (default 100)")
     p.add_argument("--only", nargs="*", choices=[c.key for c in CONFIGS], help="run only these rows")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    _against.add_options(p)
     args = p.parse_args(argv)
     for name in ("messages", "repeat", "count_messages"):
         if getattr(args, name) < 1:
@@ -547,9 +550,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def figures(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: per row msg/s, share of no durability and of the medium."""
+    out: dict[str, Any] = {}
+    for key, row in results["rows"].items():
+        label = row["label"]
+        out[f"{label}: msg/s best"] = row["best"]
+        if key == "memory" and "vs_no_durability" in row:
+            out[f"{label}: % of no durability"] = 100 * row["vs_no_durability"]
+        if "medium_share" in row:
+            out[f"{label}: % of the medium's limit"] = 100 * row["medium_share"]
+        if row.get("counts"):
+            out[f"{label}: journal writes/msg"] = row["counts"]["writes_per_msg"]
+    for r in results["raw"].values():
+        out[f"raw {r['label']}: ops/s best"] = r["best"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
     results = asyncio.run(main_async(args))
+    _against.emit(args, figures(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)

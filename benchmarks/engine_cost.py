@@ -23,10 +23,11 @@ that two versions of the code can be measured in one run:
   (``--messages`` when given, else 200), subtracted from one doing 2N, divided by N
   (start-up and imports cancel out). Deterministic to a fraction of a percent; slow.
 
-``--against REF``: ``git archive REF reference_impl`` into a temporary directory, which
-comes first on ``PYTHONPATH`` for that version's children (this script, that code); the
-rows of both versions are printed one under the other. Without an option,
-``--wall --calls``.
+``--against REF``: the other version comes from ``benchmarks/_against.py`` (a git ref
+installed once in a cached venv of its own, or the interpreter of an installed version);
+that version's children run this script with that interpreter (this script, that code);
+the rows of both versions are printed one under the other, then the ratio current / REF
+of each figure. Without an option, ``--wall --calls``.
 
 Usage::
 
@@ -48,10 +49,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from typing import Any
+
+import _against
 
 WARMUP = 10
 ROWS = ("none", "memory")
@@ -106,24 +108,22 @@ def _child(row: str, messages: int, what: str) -> None:
 
 # -- the parent ----------------------------------------------------------------------------
 class Version:
-    """A version of the code: the working tree, or ``REF`` unpacked in ``path``."""
+    """A version of the code: the interpreter whose ``botmesh`` its children measure."""
 
-    def __init__(self, name: str, path: str | None) -> None:
+    def __init__(self, name: str, python: str) -> None:
         self.name = name
-        self.path = path  # None: this tree
+        self.python = python
 
-    script = os.path.abspath(__file__)  # this script; the code measured comes from PYTHONPATH
+    script = os.path.abspath(__file__)  # this script; the code measured is the interpreter's
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        if self.path is not None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [os.path.join(self.path, "reference_impl"), *filter(None, [env.get("PYTHONPATH")])]
-            )
+        if self.python != sys.executable:
+            env.pop("PYTHONPATH", None)
         return env
 
     def child(self, row: str, messages: int, what: str) -> dict[str, float]:
-        out = subprocess.run([sys.executable, self.script, "--child", row, "--messages", str(messages), "--what", what],
+        out = subprocess.run([self.python, self.script, "--child", row, "--messages", str(messages), "--what", what],
                              check=True, capture_output=True, text=True, env=self.env())
         result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
         return result
@@ -132,7 +132,7 @@ class Version:
         with tempfile.TemporaryDirectory(prefix="botmesh-callgrind-") as tmp:
             out = os.path.join(tmp, "callgrind.out")
             subprocess.run(
-                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, self.script,
+                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", self.python, self.script,
                  "--child", row, "--messages", str(messages), "--what", "wall"],
                 check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env(),
             )
@@ -144,18 +144,17 @@ class Version:
         raise RuntimeError("no instruction total in the callgrind output")
 
 
-def unpack(ref: str, into: str) -> str:
-    """``git archive`` of ``reference_impl`` at ``ref`` into ``into``; its commit id."""
-    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout.strip()
-    archive = subprocess.run(["git", "archive", commit, "reference_impl"], cwd=ROOT,
-                             check=True, capture_output=True).stdout
-    tar_path = os.path.join(into, "code.tar")
-    with open(tar_path, "wb") as f:
-        f.write(archive)
-    with tarfile.open(tar_path) as tar:
-        tar.extractall(into, filter="data")
-    return commit
+def _ratios(results: dict[str, dict[str, Any]], versions: list[Version], key: str) -> None:
+    """With --against: print current / REF for each row of ``results[...][key]``."""
+    if len(versions) < 2:
+        return
+    new, old = (results[v.name].get(key) for v in versions)
+    if not new or not old:
+        return
+    new, old = new.get("best", new), old.get("best", old)
+    parts = [f"{r} {new[r] / old[r]:.2f}" for r in ROWS if old.get(r)]
+    share = (new["memory"] / new["none"]) / (old["memory"] / old["none"])
+    print(f"  {'current / REF':<28} " + "   ".join(parts) + f"   (memory/none {share:.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="rounds of --wall (default 5)")
     p.add_argument("--calls", action="store_true", help="Python calls per message (cProfile)")
     p.add_argument("--callgrind", action="store_true", help="CPU instructions per message (valgrind)")
-    p.add_argument("--against", metavar="REF", help="also measure the code at git REF, side by side")
+    p.add_argument("--against", metavar="REF", help="also measure the code of REF (a git ref, or a venv / python of "
+                   "an installed version; see benchmarks/_against.py), side by side")
     p.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)
     p.add_argument("--what", choices=("wall", "calls"), default="wall", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -178,59 +178,61 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.calls or args.callgrind or args.wall):
         args.wall = args.calls = True
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="botmesh-engine-cost-") as tmp:
-        versions = [Version("current", None)]
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "reference_impl"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
-        versions[0].name = f"current ({head.stdout.strip() or '?'}{', modified' if dirty else ''})"
-        if args.against:
-            versions.append(Version("", tmp))
-            versions[1].name = f"{args.against} ({unpack(args.against, tmp)})"
-        print("botmesh engine cost: memory durability beside no durability")
-        print(f"date:     {_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}")
-        print(f"machine:  {platform.platform()}, {os.cpu_count()} CPUs, CPython {platform.python_version()}")
-        print(f"load:     {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the start")
-        print(f"versions: {', '.join(v.name for v in versions)}")
-        results: dict[str, dict[str, Any]] = {v.name: {} for v in versions}
-        if args.wall:
-            rates: dict[tuple[str, str, str], list[float]] = {
-                (v.name, r, clock): [] for v in versions for r in ROWS for clock in ("seconds", "cpu")
-            }
-            for _ in range(args.repeat):
-                for v in versions:
-                    for row in ROWS:
-                        got = v.child(row, args.messages, "wall")
-                        for clock in ("seconds", "cpu"):
-                            rates[(v.name, row, clock)].append(args.messages / max(got[clock], 1e-9))
-            for clock, title in (("seconds", "wall clock"), ("cpu", "process CPU time")):
-                print(f"\nmsg/s by {title}, {args.messages} messages per child, {args.repeat} rounds (rows and "
-                      "versions taking turns); best (median)")
-                for v in versions:
-                    best = {r: max(rates[(v.name, r, clock)]) for r in ROWS}
-                    med = {r: statistics.median(rates[(v.name, r, clock)]) for r in ROWS}
-                    results[v.name][clock] = {"best": best, "median": med}
-                    print(f"  {v.name:<28} none {best['none']:>8,.0f} ({med['none']:,.0f})   memory "
-                          f"{best['memory']:>7,.0f} ({med['memory']:,.0f})   memory/none "
-                          f"{best['memory'] / best['none']:6.1%} ({med['memory'] / med['none']:.1%})")
-        if args.calls:
-            print(f"\nPython calls per message (cProfile, {args.messages} messages)")
+    versions = [Version(_against.current().label, sys.executable)]
+    if args.against:
+        try:
+            other = _against.prepare(args.against, log=sys.stdout)
+        except _against.AgainstError as exc:
+            print(f"engine_cost.py: {exc}", file=sys.stderr)
+            return 2
+        versions.append(Version(other.label, other.python))
+    print("botmesh engine cost: memory durability beside no durability")
+    print(f"date:     {_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}")
+    print(f"machine:  {platform.platform()}, {os.cpu_count()} CPUs, CPython {platform.python_version()}")
+    print(f"load:     {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the start")
+    print(f"versions: {', '.join(v.name for v in versions)}")
+    results: dict[str, dict[str, Any]] = {v.name: {} for v in versions}
+    if args.wall:
+        rates: dict[tuple[str, str, str], list[float]] = {
+            (v.name, r, clock): [] for v in versions for r in ROWS for clock in ("seconds", "cpu")
+        }
+        for _ in range(args.repeat):
             for v in versions:
-                calls = {r: v.child(r, args.messages, "calls")["calls"] for r in ROWS}
-                results[v.name]["calls"] = calls
-                print(f"  {v.name:<28} none {calls['none']:>8,.0f}   memory {calls['memory']:>8,.0f}   "
-                      f"none/memory {calls['none'] / calls['memory']:6.1%}")
-        if args.callgrind:
-            if shutil.which("valgrind") is None:
-                print("\ncallgrind: skipped, valgrind is not on the PATH")
-            else:
-                n = args.messages if "--messages" in (argv or sys.argv) else 200
-                print(f"\nCPU instructions per message (callgrind; children of {n} and {2 * n} messages, the difference / {n})")
-                for v in versions:
-                    ins = {r: (v.instructions(r, 2 * n) - v.instructions(r, n)) / n for r in ROWS}
-                    results[v.name]["instructions"] = ins
-                    print(f"  {v.name:<28} none {ins['none']:>10,.0f}   memory {ins['memory']:>10,.0f}   "
-                          f"none/memory {ins['none'] / ins['memory']:6.1%}")
+                for row in ROWS:
+                    got = v.child(row, args.messages, "wall")
+                    for clock in ("seconds", "cpu"):
+                        rates[(v.name, row, clock)].append(args.messages / max(got[clock], 1e-9))
+        for clock, title in (("seconds", "wall clock"), ("cpu", "process CPU time")):
+            print(f"\nmsg/s by {title}, {args.messages} messages per child, {args.repeat} rounds (rows and "
+                  "versions taking turns); best (median)")
+            for v in versions:
+                best = {r: max(rates[(v.name, r, clock)]) for r in ROWS}
+                med = {r: statistics.median(rates[(v.name, r, clock)]) for r in ROWS}
+                results[v.name][clock] = {"best": best, "median": med}
+                print(f"  {v.name:<28} none {best['none']:>8,.0f} ({med['none']:,.0f})   memory "
+                      f"{best['memory']:>7,.0f} ({med['memory']:,.0f})   memory/none "
+                      f"{best['memory'] / best['none']:6.1%} ({med['memory'] / med['none']:.1%})")
+            _ratios(results, versions, clock)
+    if args.calls:
+        print(f"\nPython calls per message (cProfile, {args.messages} messages)")
+        for v in versions:
+            calls = {r: v.child(r, args.messages, "calls")["calls"] for r in ROWS}
+            results[v.name]["calls"] = calls
+            print(f"  {v.name:<28} none {calls['none']:>8,.0f}   memory {calls['memory']:>8,.0f}   "
+                  f"none/memory {calls['none'] / calls['memory']:6.1%}")
+        _ratios(results, versions, "calls")
+    if args.callgrind:
+        if shutil.which("valgrind") is None:
+            print("\ncallgrind: skipped, valgrind is not on the PATH")
+        else:
+            n = args.messages if "--messages" in (argv or sys.argv) else 200
+            print(f"\nCPU instructions per message (callgrind; children of {n} and {2 * n} messages, the difference / {n})")
+            for v in versions:
+                ins = {r: (v.instructions(r, 2 * n) - v.instructions(r, n)) / n for r in ROWS}
+                results[v.name]["instructions"] = ins
+                print(f"  {v.name:<28} none {ins['none']:>10,.0f}   memory {ins['memory']:>10,.0f}   "
+                      f"none/memory {ins['none'] / ins['memory']:6.1%}")
+            _ratios(results, versions, "instructions")
     print(f"\nTotal time {time.perf_counter() - started:.1f} s; load average at the end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
     return 0

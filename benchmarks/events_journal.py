@@ -24,7 +24,7 @@ in the x8 column.
 
 Usage::
 
-    python benchmarks/events_journal.py [--ops N] [--messages N]
+    python benchmarks/events_journal.py [--ops N] [--messages N] [--against REF]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
@@ -41,6 +42,8 @@ from botmesh.core import Bot, MemoryStore
 from botmesh.core.file_backend import FileDurability
 from botmesh.core.testing import MockProvider
 from botmesh.events import FileEventJournal, SharedFileEventJournal, events_durability
+
+import _against
 
 
 def raw_fsync_appends(directory: str, n: int) -> float:
@@ -144,12 +147,17 @@ async def bot_row(kind: str, directory: str, n: int, concurrent: int) -> tuple[f
     return done / elapsed, writes
 
 
-async def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=200, help="journal operations per row (default 200)")
     parser.add_argument("--messages", type=int, default=96, help="bot messages per row (default 96)")
     parser.add_argument("--dir", default=None, help="directory to measure (default: a temporary one)")
-    args = parser.parse_args()
+    _against.add_options(parser)
+    return parser.parse_args(argv)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
     directory = tempfile.mkdtemp(prefix="botmesh-events-bench-", dir=args.dir)
     try:
         fsyncs = raw_fsync_appends(directory, args.ops)
@@ -162,6 +170,8 @@ async def main() -> None:
               f"{'writes/op x8':>13} {'appends/s / raw (a)':>20}")
         for kind in ("events", "events+log", "shared", "shared+log"):
             r = await journal_row(kind, directory, args.ops)
+            figures.update({f"{kind}: appends/s": r["seq"], f"{kind}: appends/s x8": r["par"],
+                            f"{kind}: claims/s": r["claims"], f"{kind}: writes/op x8": r["par_writes"]})
             print(f"{kind:<12} {r['seq']:10.0f} {r['par']:13.0f} {r['claims']:9.0f} {r['seq_writes']:10.2f} "
                   f"{r['par_writes']:13.2f} {r['seq'] / fsyncs:20.2f}")
         print()
@@ -170,13 +180,24 @@ async def main() -> None:
         for kind in ("file", "file+log", "events", "events+log", "shared", "shared+log"):
             seq, seq_w = await bot_row(kind, directory, args.messages, 1)
             par, par_w = await bot_row(kind, directory, args.messages, 8)
+            figures.update({f"bot on {kind}: msg/s": seq, f"bot on {kind}: msg/s x8 chats": par})
             fmt = lambda w: "-" if w is None else f"{w:.2f}"  # noqa: E731
             print(f"{kind:<12} {seq:8.1f} {fmt(seq_w):>13} {par:15.1f} {fmt(par_w):>16}")
         print("\nrewrites/msg: journal writes (snapshot rewrites or log appends) per message; '-': FileDurability "
               "does not count them (one write per journal operation).")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    figures["raw (a) fsync'd appends/s"] = fsyncs
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
+    _against.emit(args, asyncio.run(main_async(args)))
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(main())

@@ -76,6 +76,8 @@ from botmesh_testkit.backends import SERVICE_BACKENDS, resolve
 from botmesh_testkit.explore import machine
 from botmesh_testkit.explore.machine import ExploreRun, explore
 
+import _against
+
 DEFAULT_BACKENDS = ["memory", "file", "file+log", "sqlite", "postgres", "redis"]
 PARTS = ("rate", "bugs")
 NO_BUDGET = 1e9
@@ -297,8 +299,27 @@ def bench_bugs(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     return entries
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: per backend stories/s and steps/s; per bug the time to it."""
+    out: dict[str, Any] = {}
+    for backend, e in results.get("rate", {}).items():
+        if "skipped" in e:
+            out[f"{backend}: stories/s"] = f"skipped: {str(e['skipped'])[:60]}"
+            continue
+        out[f"{backend}: stories/s"] = e["certified"]["stories_per_s"]
+        out[f"{backend}: steps/s"] = e["certified"]["steps_per_s"]
+    for label, e in results.get("bugs", {}).items():
+        if label == "sound twin":
+            out["sound twin: stories/s"] = e["stories_per_s"]
+        else:
+            out[f"bug {label}: s to first failure"] = e["to_first_failure_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | int:
     args = parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
     out = sys.stdout
     now = _dt.datetime.now(_dt.UTC)
     machine: dict[str, Any] = {
@@ -381,6 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
+    _against.emit(args, headline(results))
     return results
 
 
@@ -397,6 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="planted bugs: do not shrink the failing story (the time to the first failure is measured "
                         "either way)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    _against.add_options(p)
     args = p.parse_args(argv)
     args.parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
     if not args.parts or any(x not in PARTS for x in args.parts):
@@ -408,4 +431,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    main()
+    code = main()
+    sys.exit(code if isinstance(code, int) else 0)

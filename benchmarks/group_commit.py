@@ -62,6 +62,8 @@ from botmesh.core.group_commit import GroupCommit
 from botmesh.core.testing import MockProvider
 from botmesh.sqlite_store import SQLiteStore
 
+import _against
+
 WARMUP = 5  # untimed messages per chat before the timed ones
 LINE = (b"x" * 199) + b"\n"
 
@@ -272,6 +274,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: per row msg/s, x 1 chat, medium share, writes per flush."""
+    out: dict[str, Any] = {}
+    for key, r in result["rows"].items():
+        out[f"{key}: msg/s best"] = r["best"]
+        if not key.endswith("1 chat"):
+            out[f"{key}: x 1 chat"] = r["vs_1_chat"]
+        out[f"{key}: % of the medium's limit"] = 100 * r["medium_share"]
+        out[f"{key}: writes/flush"] = r["writes_per_flush"]
+    for kind, r in result["raw"].items():
+        out[f"raw {kind} medium: ops/s best"] = r["best"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=400, help="timed messages per run (default 400)")
@@ -279,10 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--backends", nargs="+", default=["file+log", "sqlite"], choices=["file+log", "sqlite"])
     parser.add_argument("--json", help="also write the figures to this file")
+    _against.add_options(parser)
     args = parser.parse_args(argv)
     if args.messages < args.chats or args.messages % args.chats:
         parser.error(f"--messages must be a multiple of --chats ({args.chats}), got {args.messages}")
+    if args.against:
+        return _against.compare(__file__, args, argv)
     result = asyncio.run(main_async(args))
+    _against.emit(args, figures(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

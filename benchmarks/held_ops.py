@@ -39,6 +39,8 @@ from botmesh_testkit.crash.fs import mount_refused_reason
 from botmesh_testkit.kill.held import held_op_sweep
 from botmesh_testkit.kill.powercut import power_cut_loop
 
+import _against
+
 
 def _one(backend: str, points: int, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="botmesh-bench-held-") as tmp:
@@ -59,13 +61,30 @@ def _one(backend: str, points: int, seed: int) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: per backend seconds per held point and per cut."""
+    out: dict[str, Any] = {}
+    for backend, r in result["backends"].items():
+        if "skipped" in r:
+            out[f"{backend}: s/point"] = f"skipped: {str(r['skipped'])[:60]}"
+            continue
+        out[f"{backend}: sweep s/point"] = r["held_per_point_s"]
+        out[f"{backend}: sweep points"] = r["held_points"]
+        out[f"{backend}: power-cut loop s/cut"] = r["loop_per_cut_s"]
+        out[f"{backend}: passed"] = "yes" if r["held_passed"] and r["loop_passed"] else "FAILED"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=12)
     parser.add_argument("--backend", action="append")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    _against.add_options(parser)
+    args = parser.parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
     logging.getLogger("botmesh").setLevel(logging.ERROR)  # lock take-overs after every kill: expected
     reason = mount_refused_reason()
     if reason is not None:
@@ -98,6 +117,7 @@ def main() -> int:
     print(f"(ops: the write/truncate/rename operations of the sweep's workload; total {result['total_s']:.1f} s)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    _against.emit(args, figures(result))
     return 0 if ok else 1
 
 

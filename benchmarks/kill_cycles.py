@@ -37,8 +37,11 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 from botmesh_testkit.kill import KillLoop, KillResult, Replicas, replies, spec_for
+
+import _against
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -88,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", action="append", choices=["file+log", "sqlite", "file"])
     p.add_argument("--start-method", default="forkserver", choices=["forkserver", "spawn", "both"])
     p.add_argument("--repeat", type=int, default=5, help="baseline starts per backend")
+    _against.add_options(p)
     args = p.parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
+    figures: dict[str, Any] = {}
     backends = args.backend or ["file+log", "sqlite"]
     methods = ["forkserver", "spawn"] if args.start_method == "both" else [args.start_method]
     root = tempfile.mkdtemp(prefix="botmesh-killbench-")
@@ -126,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     for method, backend, result, base, restart in rows:
         ready, rec = result.ready_ms(), result.recovered_ms()
         cpm = 60.0 * len(result.kills) / result.kill_phase_seconds if result.kill_phase_seconds else float("nan")
+        name = f"{method}/{backend}"
+        figures[f"{name}: cycles/min"] = cpm
+        figures[f"{name}: kill->ready ms"] = statistics.median(ready) if ready else None
+        figures[f"{name}: kill->recovered ms"] = statistics.median(rec) if rec else None
+        figures[f"{name}: fresh start->ready ms"] = statistics.median(base["ready"])
+        figures[f"{name}: verdict"] = "passed" if result.passed else "FAILED"
         print(f"{method:<10} {backend:<8} {len(result.kills):>5} {cpm:>10.0f} "
               f"{statistics.median(ready):>7.0f} p90 {_pct(ready, 0.9):>4.0f} "
               f"{statistics.median(rec) if rec else float('nan'):>7.0f} p90 {_pct(rec, 0.9):>4.0f} "
@@ -145,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {method}/{backend}: kill modes {modes}; deliveries {result.deliveries}, duplicates "
               f"{result.accounting.duplicate_count}, losses {result.accounting.loss_count}; total {result.seconds:.1f} s")
     print(f"Total time {time.monotonic() - t0:.1f} s.")
+    _against.emit(args, figures)
     return 0 if all(r[2].passed for r in rows) else 1
 
 

@@ -49,6 +49,8 @@ from typing import Any
 from botmesh.core.file_backend import FileDurability
 from botmesh_testkit.crash.fs import PowerCutFS, PowerCutMount, PowerCutUnavailable, unavailable_reason
 
+import _against
+
 MODES = ("drop", "subset", "torn")
 
 FILE_CHILD = r"""
@@ -184,14 +186,28 @@ def throughput(m: PowerCutMount, plain: Path, puts: int) -> list[dict[str, Any]]
     return rows
 
 
-def main() -> int:
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: cuts and kill cycles per minute, the layer's cost."""
+    out: dict[str, Any] = {"bare cuts/min": result["bare"]["per_min"]}
+    for name in ("file+log", "sqlite"):
+        out[f"kill cycles/min, {name}"] = result[name]["per_min"]
+        out[f"acknowledged writes lost, {name}"] = result[name]["lost"]
+    for row in result["throughput"]:
+        out[f"{row['what']}: mount/plain"] = row["ratio"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cuts", type=int, default=300)
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--writes", type=int, default=20)
     parser.add_argument("--puts", type=int, default=2000)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    _against.add_options(parser)
+    args = parser.parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
     # Every reopen after a kill takes over the dead child's lock, and says so: expected here.
     logging.getLogger("botmesh").setLevel(logging.ERROR)
     reason = unavailable_reason()
@@ -252,6 +268,7 @@ def main() -> int:
     print(f"Total time {result['total_s']:.1f} s.")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    _against.emit(args, figures(result))
     return 0 if result["file+log"]["lost"] == 0 and result["sqlite"]["lost"] == 0 else 1
 
 

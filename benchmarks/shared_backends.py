@@ -100,6 +100,8 @@ from botmesh.core.testing import MockProvider
 from botmesh_testkit.crash import PROVIDER_SEND, crashable
 from botmesh_testkit.servers.roundtrips import CountingProxy, RoundTripCounts
 
+import _against
+
 PURGE_OPS = ("inbox.purge", "outbox.purge")
 KV_OPS = ("get", "put", "delete", "range", "scan")
 WARMUP = 10  # untimed messages per chat before the timed ones (all chats at once)
@@ -890,6 +892,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="*", choices=["memory", "postgres", "redis", "redis-unpiped", "redis-everysec"],
                    help="run only these rows")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    _against.add_options(p)
     args = p.parse_args(argv)
     if args.raw_seconds <= 0:
         p.error("--raw-seconds must be > 0")
@@ -901,9 +904,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def figures(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures, for ``--against``: per row and chats msg/s, x first, round trips/msg, shares."""
+    out: dict[str, Any] = {}
+    for key, entry in results["rows"].items():
+        if "skipped" in entry:
+            out[f"{key}: msg/s"] = f"skipped: {str(entry['skipped'])[:60]}"
+            continue
+        for chats, r in entry["by_chats"].items():
+            name = f"{key}, {chats} chat{'s' if chats != '1' else ''}"
+            out[f"{name}: msg/s best"] = r["best"]
+            if r.get("scaling_vs_first") is not None and r["scaling_vs_first"] != 1.0:
+                out[f"{name}: x first concurrency"] = r["scaling_vs_first"]
+            c = r.get("counts") or {}
+            if c.get("round_trips_per_msg") is not None:
+                out[f"{name}: round trips/msg"] = c["round_trips_per_msg"]
+            if "medium_share" in r:
+                out[f"{name}: % of the raw server"] = 100 * r["medium_share"]
+            if "raw" in r:
+                out[f"{name}: raw ops/s best"] = r["raw"]["best"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.against:
+        return _against.compare(__file__, args, argv)
     results = asyncio.run(main_async(args))
+    _against.emit(args, figures(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
