@@ -147,6 +147,15 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    def forkable(self) -> bool:
+        """Whether a copy of the process made by ``os.fork()`` at any moment holds a
+        private, identical copy of this harness's storage, which the original's later
+        writes do not reach and the copy's writes do not disturb — storage in the
+        process's memory only (no files, no server, no threads). True lets the crash
+        matrix share a cell's prefix by forking (:mod:`botmesh_testkit.matrix.shared`);
+        False, the default, replays it per cell."""
+        return False
+
     def server_address(self) -> tuple[str, int] | None:
         """``(host, port)`` of the server holding the storage, for backends on a server
         (the fault suite puts a :class:`~botmesh_testkit.servers.faultproxy.FaultProxy` in
