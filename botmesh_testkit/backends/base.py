@@ -147,6 +147,16 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    def reuse_storage(self) -> bool:
+        """Ask this harness, before it opens, to take its storage from a pool of storage
+        that earlier harnesses of this process emptied, and to give it back emptied at
+        :meth:`close`, instead of creating it and dropping it — for storage on a server,
+        the DDL is most of what a short test costs. The crash matrix asks it of the
+        harness of every cell and dry run. True when the harness does so (its storage is
+        then as a new one: empty); False, the default, when it makes its storage as
+        always."""
+        return False
+
     def forkable(self) -> bool:
         """Whether a copy of the process made by ``os.fork()`` at any moment holds a
         private, identical copy of this harness's storage, which the original's later

@@ -73,6 +73,7 @@ async def oracle(backend: str, workload: str, seed: int, workdir: str) -> Oracle
     """A crash-free run: what the workload delivers, and the crash points it passes."""
     w = WORKLOADS[workload]
     harness = resolve(backend)(workdir)
+    harness.reuse_storage()
     world = make_world(harness, w, "skip", seed)
     try:
         await world.start(crash=True)  # armed with nothing: records the points passed
@@ -126,6 +127,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
     harness = resolve(cell.backend)(workdir)
+    harness.reuse_storage()
     io = recording_io(harness, workdir)
     world = make_world(harness, w, cell.policy, seed)
     try:
