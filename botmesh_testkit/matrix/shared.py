@@ -193,6 +193,7 @@ class SharedPrefix:
             copy = self._fork(cell)
             if copy is None:  # this is the copy, resumed: die here, as the armed cell does
                 self._cb.die(when, op, nth)
+                return
             self.copies[cell] = copy
             if self.eager:
                 self.outcomes[cell] = self.resume(cell)
