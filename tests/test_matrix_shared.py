@@ -198,3 +198,18 @@ def test_a_harness_reuses_no_storage_unless_it_says_so(tmp_path: Path) -> None:
     h = ThirdPartyHarness(str(tmp_path))
     assert h.reuse_storage() is False and h.forkable() is False
     assert MemoryHarness(str(tmp_path)).forkable() is True
+
+
+def test_power_cut_io_reuses_one_dead_pid_while_no_process_has_it(tmp_path: Path, monkeypatch: Any) -> None:
+    """``PowerCutIO.dead_pid`` (asked at every simulated death of a file backend): the
+    pid of an exited process, the same one while it stays free, a new one once a live
+    process has it."""
+    from botmesh_testkit.crash.fs.recording_io import PowerCutIO
+
+    io = PowerCutIO(tmp_path)
+    first = io.dead_pid()
+    assert not io.pid_alive(first)
+    assert io.dead_pid() == first
+    monkeypatch.setattr(PowerCutIO, "pid_alive", lambda self, pid: pid == first)
+    second = io.dead_pid()
+    assert second != first
