@@ -213,3 +213,38 @@ def test_power_cut_io_reuses_one_dead_pid_while_no_process_has_it(tmp_path: Path
     monkeypatch.setattr(PowerCutIO, "pid_alive", lambda self, pid: pid == first)
     second = io.dead_pid()
     assert second != first
+
+
+@spec("TEST-4", "GUAR-2", "GUAR-4")
+async def test_sqlite_cells_from_the_template_database_are_the_cells_from_a_new_one(monkeypatch: Any) -> None:
+    """SQLite's ``reuse_storage()`` (a new database copied from the process's template):
+    the cells of two workloads give the outcomes they give on a database created by the
+    first open, and that database holds the schema the first open makes."""
+    import sqlite3
+
+    from botmesh_testkit.backends.sqlite import SQLiteHarness
+
+    cells, truths = await drawn("sqlite", ["one-send", "enqueue"], 2, 5)
+    templated = await run_cells(cells, 5, truths, share=False)
+    monkeypatch.setattr(SQLiteHarness, "reuse_storage", lambda self: False)
+    created = await run_cells(cells, 5, truths, share=False)
+    assert [seen(o) for o in templated] == [seen(o) for o in created]
+    assert templated and all(o.crashed and not o.violations for o in templated)
+    monkeypatch.undo()
+
+    def schema(path: str) -> list[Any]:
+        with sqlite3.connect(path) as conn:
+            rows = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY name").fetchall()
+            return [*rows, conn.execute("PRAGMA user_version").fetchone(), conn.execute("PRAGMA journal_mode").fetchone()]
+
+    shapes = []
+    for reuse in (True, False):
+        with scratch_dir("test-template-") as tmp:
+            h = SQLiteHarness(tmp)
+            if reuse:
+                assert h.reuse_storage() is True
+            backend, _ = await h.open()
+            await backend.start()
+            await h.close()
+            shapes.append(schema(h.path))
+    assert shapes[0] == shapes[1] and shapes[0][0]
