@@ -248,3 +248,40 @@ async def test_sqlite_cells_from_the_template_database_are_the_cells_from_a_new_
             await h.close()
             shapes.append(schema(h.path))
     assert shapes[0] == shapes[1] and shapes[0][0]
+
+
+@spec("TEST-4")
+async def test_a_pooled_postgres_table_is_empty_when_the_next_harness_takes_it(tmp_path: Path) -> None:
+    """PostgreSQL's ``reuse_storage()``: the table a closed harness gives back is the one
+    the next harness takes, empty; ``release_pooled_tables`` drops it."""
+    psycopg = pytest.importorskip("psycopg")
+    from psycopg import sql
+
+    from botmesh_testkit.backends.postgres import PostgresHarness, release_pooled_tables
+
+    url = os.environ.get("BOTMESH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+    def rows(prefix: str) -> int | None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (f"{prefix}durable",)).fetchone()[0] is None:
+                return None
+            return int(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(
+                sql.Identifier(f"{prefix}durable"))).fetchone()[0])
+
+    first = PostgresHarness(str(tmp_path / "a"), url=url)
+    assert first.reuse_storage() is True
+    backend, _ = await first.open()
+    await backend.start()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("INSERT INTO {} (scope, space, key, value, version) VALUES "
+                             "('s', 'inbox', 'k', '{{}}', 1)").format(sql.Identifier(f"{first.table_prefix}durable")))
+    assert rows(first.table_prefix) == 1
+    await first.close()
+    second = PostgresHarness(str(tmp_path / "b"), url=url)
+    second.reuse_storage()
+    backend, _ = await second.open()
+    await backend.start()
+    assert second.table_prefix == first.table_prefix and rows(second.table_prefix) == 0
+    await second.close()
+    release_pooled_tables()
+    assert rows(first.table_prefix) is None
