@@ -5,7 +5,10 @@ Part 1, crash cells (``--parts cells``). For each backend, the cells of a matrix
 (default ``smoke``) are drawn exactly as ``pytest --botmesh-backend=NAME
 --botmesh-seed=SEED`` draws them (``botmesh_testkit.matrix``: one crash-free dry run per
 workload with ``oracle()``, then ``draw_cells()``, the one cell-drawing function), and each cell is run with ``run_cell()`` in a
-fresh temporary directory, one after the other, in one event loop. A cell's time is the
+fresh temporary directory made where the matrix makes its own
+(``botmesh_testkit.matrix.scratch.scratch_dir``: ``/dev/shm`` when there is one; the
+system's temporary directory for a release without it), one after the other, in one
+event loop. A cell's time is the
 wall time of ``run_cell()`` including the creation and removal of its directory: the
 bot until the crash, the restart, the redelivery and the drain in virtual time, and the
 history check. Reported: cells, their total seconds, cells/s (= cells / that total),
@@ -90,6 +93,12 @@ from botmesh_testkit.matrix.profiles import load_profile
 
 import _against
 
+try:  # where the matrix itself makes a cell's directory (RAM when there is /dev/shm; issue 16)
+    from botmesh_testkit.matrix.scratch import scratch_dir as cell_dir
+except ImportError:  # a release before it: the system's temporary directory, as its matrix did
+    def cell_dir(prefix: str) -> Any:
+        return tempfile.TemporaryDirectory(prefix=prefix)
+
 DEFAULT_BACKENDS = ["memory", "file", "file+log", "sqlite", "postgres", "redis"]
 PARTS = ("cells", "overhead")
 WARMUP = 10  # untimed messages per bot before the timed part of an overhead repetition
@@ -157,7 +166,7 @@ class CellsResult:
 
 async def timed_oracle(backend: str, workload: str, seed: int, timeout: float) -> tuple[Oracle, float]:
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="botmesh-bench-dry-") as tmp:
+    with cell_dir("botmesh-bench-dry-") as tmp:
         truth = await asyncio.wait_for(oracle(backend, workload, seed, tmp), timeout)
     return truth, time.perf_counter() - t0
 
@@ -196,7 +205,7 @@ async def bench_cells(backend: str, profile: Any, seed: int, args: argparse.Name
             res.dry_seconds[workload].append(seconds)
     for cell in chosen:
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="botmesh-bench-cell-") as tmp:
+        with cell_dir("botmesh-bench-cell-") as tmp:
             try:
                 outcome = await asyncio.wait_for(run_cell(cell, seed, truths[cell.workload], tmp), args.cell_timeout)
             except Exception as exc:

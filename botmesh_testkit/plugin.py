@@ -124,6 +124,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--botmesh-explore-seconds", type=float, default=None, metavar="SECONDS",
                     help="real seconds after which explore starts no new story, per backend (default: the profile's "
                          "explore_seconds)")
+    group.addoption("--botmesh-shared-prefix", action="store_true", default=False,
+                    help="crash cells of one workload and policy share their prefix: one crash-free run forks the "
+                         "process at each cell's crash point (backends whose harness is forkable(): memory); off by "
+                         "default, as a fork can cost more than a memory cell (botmesh_testkit.matrix.shared)")
     group.addoption("--botmesh-recovery-coverage", action="store_true", default=False,
                     help="measure which lines of the engine's recovery code each crash cell's restart runs, and "
                          "print them per crash point (off under pytest-cov; about 25 ms per cell)")

@@ -147,6 +147,25 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    def reuse_storage(self) -> bool:
+        """Ask this harness, before it opens, to take its storage from a pool of storage
+        that earlier harnesses of this process emptied, and to give it back emptied at
+        :meth:`close`, instead of creating it and dropping it — for storage on a server,
+        the DDL is most of what a short test costs. The crash matrix asks it of the
+        harness of every cell and dry run. True when the harness does so (its storage is
+        then as a new one: empty); False, the default, when it makes its storage as
+        always."""
+        return False
+
+    def forkable(self) -> bool:
+        """Whether a copy of the process made by ``os.fork()`` at any moment holds a
+        private, identical copy of this harness's storage, which the original's later
+        writes do not reach and the copy's writes do not disturb — storage in the
+        process's memory only (no files, no server, no threads). True lets the crash
+        matrix share a cell's prefix by forking (:mod:`botmesh_testkit.matrix.shared`);
+        False, the default, replays it per cell."""
+        return False
+
     def server_address(self) -> tuple[str, int] | None:
         """``(host, port)`` of the server holding the storage, for backends on a server
         (the fault suite puts a :class:`~botmesh_testkit.servers.faultproxy.FaultProxy` in

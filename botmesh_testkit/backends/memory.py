@@ -24,5 +24,10 @@ class MemoryHarness(BackendHarness):
     async def reopen(self) -> tuple[DurabilityBackend, Store]:
         return self.backend, self.store
 
+    def forkable(self) -> bool:
+        """All its storage is objects of this process (see
+        :meth:`BackendHarness.forkable`)."""
+        return True
+
     def kv_factory(self) -> Callable[[], DurableKv] | None:
         return MemoryKv

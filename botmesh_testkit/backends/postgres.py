@@ -20,11 +20,21 @@ The backend handed out is not started: the bot starts it (``bot.start()``), whic
 the table when missing. :meth:`PostgresHarness.close` drops the table and releases every
 incarnation's connections; it may run on another event loop than the test's (a pytest
 fixture finalizer with ``asyncio.run``).
+
+Reused tables (:meth:`PostgresHarness.reuse_storage`, asked by the crash matrix): a
+harness takes, at its first open, a table that an earlier harness of this process emptied
+(``DELETE FROM``) at its close instead of dropping it, and empties and pools its own
+table in turn; creating a table and its two indexes and dropping it cost a few times what
+a crash cell's own statements do. An emptied table is what a new one is to the backend:
+no row, the same columns and indexes, and nothing else (no sequence) keeps state. The
+emptying runs on one plain connection per server URL kept by the process; the pooled
+tables are dropped at the interpreter's exit (:func:`release_pooled_tables`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import os
 from collections.abc import Callable
@@ -39,7 +49,53 @@ from .base import BackendHarness, KillSpec, PostgresSpec
 
 DEFAULT_PORT = 5432
 
-__all__ = ["PostgresHarness", "table_prefix_for"]
+__all__ = ["PostgresHarness", "release_pooled_tables", "table_prefix_for"]
+
+_POOLED: dict[str, list[tuple[str, str | None]]] = {}
+"""Per server URL: ``(table_prefix, schema)`` of the emptied tables ready for reuse."""
+
+_JANITORS: dict[str, Any] = {}
+"""Per server URL: the plain (synchronous, autocommit) connection that empties tables."""
+
+
+def _janitor(url: str) -> Any:
+    import psycopg
+
+    conn = _JANITORS.get(url)
+    if conn is None or conn.closed:
+        if not _JANITORS:
+            atexit.register(release_pooled_tables)
+        conn = _JANITORS[url] = psycopg.connect(url, autocommit=True)
+    return conn
+
+
+def _table(prefix: str, schema: str | None) -> Any:
+    from psycopg import sql
+
+    table = f"{prefix}durable"
+    return sql.Identifier(table) if schema is None else sql.Identifier(schema, table)
+
+
+def release_pooled_tables() -> None:
+    """Drop every pooled table and close the emptying connections (at exit; a server or
+    database already gone is not an error)."""
+    from psycopg import sql
+
+    for url, pooled in list(_POOLED.items()):
+        conn = _JANITORS.get(url)
+        while pooled:
+            prefix, schema = pooled.pop()
+            try:
+                if conn is not None and not conn.closed:
+                    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(_table(prefix, schema)))
+            except Exception:  # the database was dropped (WITH FORCE) or the server stopped first
+                break
+    for conn in _JANITORS.values():
+        try:
+            conn.close()
+        except Exception:
+            pass
+    _JANITORS.clear()
 
 
 def table_prefix_for(workdir: str) -> str:
@@ -67,6 +123,7 @@ class PostgresHarness(BackendHarness):
         self.backend: Any = None
         self.backends: list[Any] = []
         self.store: Store = MemoryStore()
+        self._reuse = False
 
     @property
     def capabilities(self) -> Capabilities:
@@ -111,8 +168,17 @@ class PostgresHarness(BackendHarness):
             max_size=self.max_size,
         )
 
+    def reuse_storage(self) -> bool:
+        """A table emptied by an earlier harness of this process, given back emptied at
+        close (module docstring)."""
+        self._reuse = True
+        return True
+
     async def open(self) -> tuple[DurabilityBackend, Store]:
         self.store = MemoryStore()
+        pooled = _POOLED.get(self.url)
+        if self._reuse and not self.backends and pooled:
+            self.table_prefix = pooled.pop()[0]  # found through the same URL's search_path
         backend: DurabilityBackend = self._make()
         return backend, self.store
 
@@ -127,8 +193,19 @@ class PostgresHarness(BackendHarness):
         schema = next((b.kv.schema for b in self.backends if b.kv.schema is not None), None)
         for backend in self.backends:
             await self._abandon(backend)
+        started = bool(self.backends)
         self.backends.clear()
         self.backend = None
+        if self._reuse and started:
+            from psycopg import sql
+
+            try:
+                _janitor(self.url).execute(sql.SQL("DELETE FROM {}").format(_table(self.table_prefix, schema)))
+            except Exception:  # never created (the backend did not start), or the connection broke
+                _JANITORS.pop(self.url, None)
+            else:
+                _POOLED.setdefault(self.url, []).append((self.table_prefix, schema))
+                return
         await self.drop_table(schema)
 
     async def drop_table(self, schema: str | None = None) -> None:

@@ -15,6 +15,7 @@ the same store with the same ``instance_id``, and check the outcome.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,11 @@ class CrashableBackend(InterceptedBackend):
         self._rules: list[_Rule] = []
         self._counts: Counter[str] = Counter()
         self._total = 0
+        self.at_point: Callable[[str, str, int, int], None] | None = None
+        """Called at every point passed, after the armed rules did not fire, with
+        ``(when, op, nth, total)``: the crash matrix's shared prefix
+        (:mod:`botmesh_testkit.matrix.shared`) forks the process there. It may raise (a
+        forked copy dies there with :meth:`die`)."""
 
     # -- arming -------------------------------------------------------------------------
     def crash_before(self, op: str, nth: int = 1) -> CrashableBackend:
@@ -84,6 +90,10 @@ class CrashableBackend(InterceptedBackend):
         if self.crashed:
             raise SimulatedCrash(f"the process is dead (crashed {self.crash_point})")
 
+    def die(self, when: str, op: str, nth: int) -> None:
+        """Die now, at ``when`` ``op`` #``nth``, as an armed rule would (raises)."""
+        self._die(when, op, nth)
+
     def _die(self, when: str, op: str, nth: int) -> None:
         self.crashed = True
         self.crash_point = f"{when} {op} #{nth}"
@@ -107,6 +117,8 @@ class CrashableBackend(InterceptedBackend):
         nth, total = self._counts[op], self._total
         if self._fires("before", op, nth, total):
             self._die("before", op, nth)
+        if self.at_point is not None:
+            self.at_point("before", op, nth, total)
         self.history.append(op)
         return nth, total
 
@@ -118,6 +130,8 @@ class CrashableBackend(InterceptedBackend):
         """Pass the "after" side of point ``op``."""
         if self._fires("after", op, nth, total):
             self._die("after", op, nth)
+        if self.at_point is not None:
+            self.at_point("after", op, nth, total)
 
     # -- the hooks of InterceptedBackend --------------------------------------------------
     def before_write(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -63,6 +62,7 @@ from ..crash.fs.recording_io import PowerCutIO
 from ..crash.fs.state import CrashState
 from ..crash.world import World
 from .cells import Cell, Oracle, Outcome
+from .scratch import scratch_dir
 from .workloads import Workload
 
 __all__ = ["MAX_STATES_PER_CELL", "SUBSETS", "PowerCutStates", "choose", "recording_io"]
@@ -136,7 +136,7 @@ class PowerCutStates:
         to ``outcome``."""
         outcome.power_cut_states = len(self.states)
         outcome.power_cut_window = self.window
-        with tempfile.TemporaryDirectory(prefix="botmesh-powercut-states-") as tmp:
+        with scratch_dir("botmesh-powercut-states-") as tmp:
             for i, state in enumerate(self.states, 1):
                 where = f"power cut at {outcome.crash_point}, crash state {i} ({state.description})"
                 broken = await self._one(w, truth, state, os.path.join(tmp, str(i)), where, recover,

@@ -22,7 +22,6 @@ id does not change, its outcome counts the states (``power_cut_states``).
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -34,7 +33,9 @@ from ..backends.registry import resolve
 from ..checker.history import check
 from ..crash.world import DRAIN_MS, World
 from .cells import POLICIES, Cell, MatrixResult, Oracle, Outcome, draw_cells
+from ..crash.fs.recording_io import PowerCutIO
 from .powercut_states import PowerCutStates, recording_io
+from .scratch import scratch_dir
 from .workloads import WORKLOADS, Workload, transient
 
 
@@ -72,6 +73,7 @@ async def oracle(backend: str, workload: str, seed: int, workdir: str) -> Oracle
     """A crash-free run: what the workload delivers, and the crash points it passes."""
     w = WORKLOADS[workload]
     harness = resolve(backend)(workdir)
+    harness.reuse_storage()
     world = make_world(harness, w, "skip", seed)
     try:
         await world.start(crash=True)  # armed with nothing: records the points passed
@@ -125,6 +127,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
     harness = resolve(cell.backend)(workdir)
+    harness.reuse_storage()
     io = recording_io(harness, workdir)
     world = make_world(harness, w, cell.policy, seed)
     try:
@@ -134,32 +137,43 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
         cb.arm(cell.when, cell.point, cell.nth)
         world.channel.fail_next(transient(), times=w.channel_failures)
         await play(world, w)
-        crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)
-        cuts: PowerCutStates | None = None
-        if crashed and io is not None and cb.capabilities.survives_crash:  # the backend's own claim
-            cuts = await PowerCutStates.capture(world, io, cell, seed)
-        recovery_lines: frozenset[int] | None = None
-        recovery_note: str | None = None
-        if crashed and measure_recovery:
-            from .coverage import measure
-
-            with measure() as measured:
-                await recover(world, w)
-            recovery_lines, recovery_note = measured.lines, measured.note
-        elif crashed:
-            await recover(world, w)
-        elif measure_recovery:
-            recovery_lines = frozenset()
-        outcome = Outcome(cell, crashed, crash_point, history=history,
-                          deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent],
-                          recovery_lines=recovery_lines, recovery_note=recovery_note)
-        await check(world, truth, outcome)
-        if cuts is not None:
-            await cuts.judge(w, truth, outcome, recover)
-        outcome.seconds = time.perf_counter() - started
-        return outcome
+        return await finish_cell(world, cell, seed, truth, io, started, measure_recovery=measure_recovery)
     finally:
         await world.close()
+
+
+async def finish_cell(world: World, cell: Cell, seed: int, truth: Oracle, io: PowerCutIO | None, started: float, *,
+                      measure_recovery: bool = False) -> Outcome:
+    """The rest of a cell once :func:`play` returned (the crash fired, or the workload
+    ended without it): the power-cut states, the recovery, the history check. The one
+    copy :func:`run_cell` and a forked shared prefix (:mod:`.shared`) both run."""
+    w = WORKLOADS[cell.workload]
+    cb = world.crashable
+    assert cb is not None
+    crashed, crash_point, history = cb.crashed, cb.crash_point, list(cb.history)
+    cuts: PowerCutStates | None = None
+    if crashed and io is not None and cb.capabilities.survives_crash:  # the backend's own claim
+        cuts = await PowerCutStates.capture(world, io, cell, seed)
+    recovery_lines: frozenset[int] | None = None
+    recovery_note: str | None = None
+    if crashed and measure_recovery:
+        from .coverage import measure
+
+        with measure() as measured:
+            await recover(world, w)
+        recovery_lines, recovery_note = measured.lines, measured.note
+    elif crashed:
+        await recover(world, w)
+    elif measure_recovery:
+        recovery_lines = frozenset()
+    outcome = Outcome(cell, crashed, crash_point, history=history,
+                      deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent],
+                      recovery_lines=recovery_lines, recovery_note=recovery_note)
+    await check(world, truth, outcome)
+    if cuts is not None:
+        await cuts.judge(w, truth, outcome, recover)
+    outcome.seconds = time.perf_counter() - started
+    return outcome
 
 
 async def run_matrix(
@@ -182,13 +196,13 @@ async def run_matrix(
         for workload in workloads:
             if only is not None and (only.backend != backend or only.workload != workload):
                 continue
-            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp:
+            with scratch_dir("botmesh-oracle-") as tmp:
                 truth = await oracle(backend, workload, seed, tmp)
             cells = draw_cells(backend, workload, truth, policies, random_per_workload, seed)
             if only is not None:
                 cells = [only]
             for cell in cells:
-                with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
+                with scratch_dir("botmesh-cell-") as tmp:
                     outcome = await run_cell(cell, seed, truth, tmp, measure_recovery=measure_recovery)
                 outcomes.append(outcome)
                 if progress is not None:

@@ -17,6 +17,7 @@ from .options import cell_budget, matrix_name, rerun_base
 
 if TYPE_CHECKING:
     from ..matrix.cells import Cell, Oracle, Outcome
+    from ..matrix.shared import SharedPrefixes
 
 
 class CellFailed(Exception):
@@ -39,9 +40,12 @@ class MatrixCellItem(ReportingItem):
     :meth:`cell_record`, attached to its test report by the plugin."""
 
     def __init__(self, *, cell: Cell, oracle: Oracle, seed: int, power_cuts: bool = False, seq: int = 0,
-                 **kwargs: Any) -> None:
+                 group: list[Cell] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cell = cell
+        self.group = group if group is not None else [cell]
+        """The cells of its backend, workload and policy (those that can share its prefix,
+        ``--botmesh-shared-prefix``)."""
         self.oracle = oracle
         self.seed = seed
         self.outcome: Outcome | None = None
@@ -69,14 +73,19 @@ class MatrixCellItem(ReportingItem):
     def runtest(self) -> None:
         from ..matrix.run import run_cell
 
-        budget = cell_budget(self.config)
-        with tempfile.TemporaryDirectory(prefix="botmesh-cell-") as tmp:
-            try:
-                from ..matrix.coverage_file import active
+        from ..matrix.coverage_file import active
+        from ..matrix.scratch import scratch_dir
 
-                measure = bool(self.config.getoption("--botmesh-recovery-coverage")) or active() is not None
-                self.outcome = asyncio.run(asyncio.wait_for(
-                    run_cell(self.cell, self.seed, self.oracle, tmp, measure_recovery=measure), budget))
+        budget = cell_budget(self.config)
+        measure = bool(self.config.getoption("--botmesh-recovery-coverage")) or active() is not None
+        with scratch_dir("botmesh-cell-") as tmp:
+            try:
+                if self.config.getoption("--botmesh-shared-prefix"):
+                    self.outcome = shared_prefixes(self.config).outcome(self.cell, self.seed, self.oracle, self.group,
+                                                                        budget, measure_recovery=measure)
+                else:
+                    self.outcome = asyncio.run(asyncio.wait_for(
+                        run_cell(self.cell, self.seed, self.oracle, tmp, measure_recovery=measure), budget))
             except TimeoutError:
                 raise CellFailed(
                     f"cell {self.cell.id}: did not finish within its real-time budget of {budget:g} s "
@@ -96,6 +105,21 @@ class MatrixCellItem(ReportingItem):
 
     def reportinfo(self) -> tuple[str, int, str]:
         return "botmesh-matrix", 0, f"crash cell {self.cell.id}"
+
+
+_SHARED_PREFIXES = pytest.StashKey["SharedPrefixes"]()
+
+
+def shared_prefixes(config: pytest.Config) -> SharedPrefixes:
+    """The session's :class:`~botmesh_testkit.matrix.shared.SharedPrefixes` (made on first
+    use; its paused copies ended when the session ends)."""
+    found = config.stash.get(_SHARED_PREFIXES, None)
+    if found is None:
+        from ..matrix.shared import SharedPrefixes
+
+        found = config.stash[_SHARED_PREFIXES] = SharedPrefixes()
+        config.add_cleanup(found.close)
+    return found
 
 
 def cell_run_record(outcome: Outcome) -> dict[str, Any]:
@@ -423,6 +447,7 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
     from ..matrix.cells import Cell, draw_cells
     from ..matrix.profiles import load_profile
     from ..matrix.run import oracle
+    from ..matrix.scratch import scratch_dir
 
     profile = load_profile(matrix_name(config))
     only = Cell.parse(config.getoption("--botmesh-cell")) if config.getoption("--botmesh-cell") else None
@@ -439,7 +464,7 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
         late = (f"did not finish within its real-time budget of {budget:g} s (--botmesh-dry-run-timeout, at most "
                 "--botmesh-cell-timeout): a backend that hangs or makes the engine spin")
         try:
-            with tempfile.TemporaryDirectory(prefix="botmesh-oracle-") as tmp, alarm(budget + 1, late):
+            with scratch_dir("botmesh-oracle-") as tmp, alarm(budget + 1, late):
                 truth = asyncio.run(asyncio.wait_for(oracle(backend, workload, seed, tmp), budget))
         except (Exception, BudgetExceeded) as exc:  # the backend cannot even run the workload without a crash
             hung = isinstance(exc, (TimeoutError, BudgetExceeded))
@@ -460,10 +485,14 @@ def matrix_items(session: pytest.Session, config: pytest.Config, backend: str, s
         cells = draw_cells(backend, workload, truth, profile.policies, profile.random_per_workload, seed)
         if only is not None:
             cells = [only]
+        groups: dict[str, list[Cell]] = {}
+        for cell in cells:
+            groups.setdefault(cell.policy, []).append(cell)
         for cell in cells:
             items.append(MatrixCellItem.from_parent(session, name=f"botmesh-matrix::{cell.id}",
                                                     nodeid=f"botmesh-matrix::{cell.id}", cell=cell, oracle=truth,
-                                                    seed=seed, power_cuts=power_cuts, seq=len(items)))
+                                                    seed=seed, power_cuts=power_cuts, seq=len(items),
+                                                    group=groups[cell.policy]))
     return items
 
 
