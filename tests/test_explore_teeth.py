@@ -8,7 +8,9 @@ still planted, fails the same way.
 Covered here: MEDIA-3/MEDIA-5 (a pre-feature or tampered stored reference killing the
 message; a download error escaping ``load_media_of``), OUT-15 (unjournalable content raising inside ``ctx.reply``), OUT-10 (the
 ``before("send")`` hooks run once per concurrent enqueue of one key), OUT-9 (a deferred
-split send's error naming the part's key). OUT-12 is in ``tests/test_explore.py``."""
+split send's error naming the part's key), LEASE-3 (two live processes on one SQLite file
+with the default ``instance_id`` sharing it: explore's replica, :mod:`botmesh_testkit.explore.replicas`).
+OUT-12 is in ``tests/test_explore.py``."""
 
 from __future__ import annotations
 
@@ -118,12 +120,32 @@ media.load_media_of = load_media_of
 '''
 
 
-def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int) -> str:
-    """Run explore on memory with ``plant`` as conftest; the failure must name
+SHARED_DEFAULT_ID = '''
+import socket
+import uuid
+
+import botmesh.core.engine as engine
+import botmesh.core.sweep as sweep
+
+
+def default_instance_id(bot_id, connection_id, capabilities):
+    # the bug of issue 12 (LEASE-3): the per-boot suffix only on a shared server backend,
+    # not on one that several processes of a host use (SQLite): two of them share the id
+    base = f"{socket.gethostname()}/{bot_id}/{connection_id}"
+    return f"{base}/{uuid.uuid4().hex[:8]}" if capabilities.shared else base
+
+
+sweep.default_instance_id = engine.default_instance_id = default_instance_id  # the engine imports it by name
+'''
+
+
+def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int,
+                         backend: str = "memory") -> str:
+    """Run explore on ``backend`` with ``plant`` as conftest; the failure must name
     ``spec_id``, and its story, replayed as a scenario, must fail naming it too.
     Returns the story's text."""
     pytester.makeconftest(plant)
-    result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=memory", "--botmesh-parts=explore",
+    result = pytester.runpytest_subprocess("-p", "no:benchmark", f"--botmesh-backend={backend}", "--botmesh-parts=explore",
                                            f"--botmesh-explore-examples={examples}", f"--botmesh-seed={seed}",
                                            timeout=600)
     out = result.stdout.str()
@@ -169,3 +191,12 @@ def test_explore_finds_a_bad_stored_media_reference_killing_the_message(pytester
 def test_explore_finds_a_download_error_escaping_load_media_of(pytester: pytest.Pytester) -> None:
     story = _caught_and_replayed(pytester, DOWNLOAD_ERROR_ESCAPES, "MEDIA-3", examples=40, seed=2)
     assert "media='broken'" in story, story
+
+
+@pytest.mark.spec("LEASE-3", "LEASE-1", "REPL-1", "TEST-4")
+def test_explore_finds_two_sqlite_processes_sharing_the_default_instance_id(pytester: pytest.Pytester) -> None:
+    """A replica booting while the bot holds a lease, both on the default instance_id:
+    without the per-boot suffix on SQLite its recovery pass takes the live lease and runs
+    the handler a second time."""
+    story = _caught_and_replayed(pytester, SHARED_DEFAULT_ID, "LEASE-3", examples=40, seed=2, backend="sqlite")
+    assert "default_id=True" in story and re.search(r"x\.replica\(None, during=[12]\)", story), story

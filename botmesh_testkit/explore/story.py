@@ -74,6 +74,8 @@ from botmesh.core.provider import (InboundEvent, MediaUnavailableError, Provider
 from botmesh.core.records import InboxRecord
 from botmesh.core.testing import SimulatedCrash
 
+from .replicas import ReplicaVerbs
+
 __all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
 
 INBOX_MAX_ATTEMPTS = 3
@@ -161,13 +163,14 @@ class _Send:
     kind: str
 
 
-class Explorer:
+class Explorer(ReplicaVerbs):
     """A scenario's world driven by explore's verbs, with the model beside it (see the
     module docstring). ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the
-    channel's limit (None: no split)."""
+    channel's limit (None: no split); ``default_id``: the bot runs on the default
+    ``instance_id`` (LEASE-3) instead of ``i1`` (see :mod:`.replicas`)."""
 
     def __init__(self, s: Any, *, text_limit: int | None = None, policy: str = "skip",
-                 on_diverged: str = "send") -> None:
+                 on_diverged: str = "send", default_id: bool = False) -> None:
         self.s = s
         self.world = s.world
         self.world.channel.text_limit = text_limit
@@ -192,6 +195,7 @@ class Explorer:
         self.transient = 0
         self._inflight: set[asyncio.Future[Any]] = set()
         self._wrap_download()
+        self._init_replicas(default_id)
         s.setup(self._install)
 
     def _wrap_download(self) -> None:
@@ -212,14 +216,18 @@ class Explorer:
 
     # -- the bot --------------------------------------------------------------------------
     def _install(self, bot: Any) -> None:
-        incarnation = self.world.incarnations + 1
+        self._install_as(bot, self.world.incarnations + 1)
+
+    def _install_as(self, bot: Any, process: int) -> None:
+        """The plan handler and the hook counter on ``bot``, the process ``process``
+        (an incarnation of the world's bot, or ``-n`` for the n-th replica)."""
 
         def hook(chat_id: str, content: dict[str, Any]) -> None:
-            self.hooks[(incarnation, str(content.get("text", "")))] += 1
+            self.hooks[(process, str(content.get("text", "")))] += 1
 
         bot.before("send")(hook)
 
-        bot.otherwise(self._handle)
+        bot.otherwise(self._tracked(process, self._handle))
 
     async def _handle(self, ctx: Any) -> None:
         msg = self.messages.get(ctx.event.id)
@@ -313,8 +321,8 @@ class Explorer:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
         await self.world.start(crash=True)
 
-    async def _deliver(self, msg: _Message) -> None:
-        if self.world.crashed:
+    async def _deliver(self, msg: _Message, bot: Any = None) -> None:
+        if bot is None and self.world.crashed:
             return
         media = None
         if msg.media in ("valid", "expired", "broken"):
@@ -323,7 +331,7 @@ class Explorer:
             if msg.media == "valid":
                 self.world.channel.media_bytes[url] = MEDIA_BYTES + msg.mid.encode()
         event = InboundEvent(id=msg.mid, chat_id=msg.chat, text=msg.mid, media=media)
-        task = asyncio.ensure_future(self.world.bot.provider.deliver(event))
+        task = asyncio.ensure_future((bot or self.world.bot).provider.deliver(event))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         try:
@@ -346,12 +354,28 @@ class Explorer:
             await asyncio.gather(*left, return_exceptions=True)
         self._inflight.clear()
 
-    async def receive(self, chat: str, mid: str, actions: Sequence[Action], media: str | None = None) -> None:
+    async def receive(self, chat: str, mid: str, actions: Sequence[Action], media: str | None = None,
+                      replica: bool = False) -> None:
         """The channel delivers message ``mid`` (its plan: ``actions``), with ``media``:
         ``valid`` (a reference the channel serves), ``expired`` (one it no longer
         serves), ``broken`` (one whose download fails with an ``OSError``), or —
         journaled before this delivery, as a dead process left it — ``legacy`` or
-        ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first."""
+        ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first.
+        With ``replica``, to the live replica (:meth:`replica`) instead of the bot."""
+        if replica:
+            if self.replica_bot is None:
+                raise ValueError("receive(replica=True): no replica is alive; boot one with replica()")
+            if media in ("legacy", "tampered"):
+                raise ValueError(f"receive(replica=True): media={media!r} is journaled by the main bot; "
+                                 "the replica takes None, 'valid', 'expired' or 'broken'")
+            if mid not in self.messages:
+                self.messages[mid] = _Message(chat, mid, tuple(actions), media=media)
+                self.order.append(mid)
+            crashed = self.world.crashed
+            await self._deliver(self.messages[mid], self.replica_bot)
+            self._count_death(crashed)
+            await self._after_replica_step()
+            return
         if mid not in self.messages:
             self.messages[mid] = _Message(chat, mid, tuple(actions), media=media)
             self.order.append(mid)
@@ -545,6 +569,7 @@ class Explorer:
             if not derived:
                 raise ExploreViolation(("OUT-9",), f"{error} of the send under the key {expected!r} names the key "
                                        f"{named!r}: the outbox key of a send with an explicit key is that key")
+        self.check_replicas()
 
     def _check_hooks(self) -> None:
         journaled = {s.text for s in self._sends() if s.kind != "reply_nan"}
@@ -555,6 +580,7 @@ class Explorer:
 
     async def final_check(self) -> None:
         """The model's whole check at the end (see the module docstring)."""
+        await self._look_at_tokens()
         self.check()
         d = self.world.bot.durability
         inbox = {r.id: r for r in await d.inbox.list()}
