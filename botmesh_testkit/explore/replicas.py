@@ -176,11 +176,6 @@ class ReplicaVerbs:
         await bot.abandon()
         await self._after_replica_step()
 
-    def _count_death(self, crashed_before: bool) -> None:
-        """The main bot died in the background (its sweep) during a step of the replica:
-        a death all the same (INB-7's charges)."""
-        if self.world.crashed and not crashed_before:
-            self.crashes += 1
 
     # -- the model ------------------------------------------------------------------------
     def _lease_ids(self, *base: str) -> tuple[str, ...]:

@@ -191,6 +191,8 @@ class Explorer(ReplicaVerbs):
         """(error, key expected, key named, text, derived) of an error naming another key."""
         self.dead_chats: set[str] = set()
         self.crashes = 0
+        """Deaths of the bot's incarnations and replicas so far (each counted once: :meth:`_note_death`)."""
+        self._death_noted = 0
         self.instance = 1
         self.transient = 0
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -316,6 +318,14 @@ class Explorer(ReplicaVerbs):
         await d.backend.inbox_journal(d.scope, InboxRecord(id=msg.mid, chat_id=msg.chat, event=event, state="pending",
                                                            next_at=now, created_at=now, updated_at=now))
 
+    def _note_death(self) -> None:
+        """The bot's current incarnation died (or was killed alive): one death, however
+        many verbs see it — it may die in the background (a replay of its sweep) during
+        any step."""
+        if self._death_noted != self.world.incarnations:
+            self._death_noted = self.world.incarnations
+            self.crashes += 1
+
     # -- verbs ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
@@ -337,7 +347,7 @@ class Explorer(ReplicaVerbs):
         try:
             ok = await self.world.drive(task)
         except SimulatedCrash:
-            self.crashes += 1
+            self._note_death()
             return
         if ok:
             msg.acked = True
@@ -371,9 +381,7 @@ class Explorer(ReplicaVerbs):
             if mid not in self.messages:
                 self.messages[mid] = _Message(chat, mid, tuple(actions), media=media)
                 self.order.append(mid)
-            crashed = self.world.crashed
             await self._deliver(self.messages[mid], self.replica_bot)
-            self._count_death(crashed)
             await self._after_replica_step()
             return
         if mid not in self.messages:
@@ -383,7 +391,7 @@ class Explorer(ReplicaVerbs):
                 try:
                     await self._journal_before(self.messages[mid])
                 except SimulatedCrash:  # a crash armed at this write: the process dies here
-                    self.crashes += 1
+                    self._note_death()
         await self._deliver(self.messages[mid])
         self.check()
 
@@ -406,10 +414,10 @@ class Explorer(ReplicaVerbs):
             self.instance += 1
             self.world.instance_id = f"i{self.instance}"
         if self.world.bot is not None:
-            if not self.world.crashed:
-                # a live process dies here: an execution it had in flight (a reply sleeping on
-                # its inline retry's backoff) is cut short like one a crash cuts (INB-7)
-                self.crashes += 1
+            # a live process dies here: an execution it had in flight (a reply sleeping on its
+            # inline retry's backoff) is cut short like one a crash cuts (INB-7); a dead one's
+            # death is counted once
+            self._note_death()
             await self.world.bot.abandon()
         await self._bury()
         await self.world.start(crash=True)
@@ -455,7 +463,7 @@ class Explorer(ReplicaVerbs):
             try:
                 await self.world.clock.advance(ms)
             except SimulatedCrash:
-                self.crashes += 1
+                self._note_death()
         self.check()
 
     async def finish(self) -> None:
@@ -537,6 +545,8 @@ class Explorer(ReplicaVerbs):
         """What must hold after every step: nothing reached the channel that no handler
         sent; no part twice unless an ambiguity named it; a bypassed send no more often
         than executions made it; the hooks; the keys named by errors."""
+        if self.world.crashed:
+            self._note_death()
         got = self._delivered()
         possible: dict[tuple[str, str], _Send] = {}
         for send in self._sends():
