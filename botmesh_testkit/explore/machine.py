@@ -61,6 +61,12 @@ own (booted again after a death, it is the same instance: LEASE-4)."""
 REPLICA_DURING = (0, 1, 1, 2)
 """When the replica boots: now, or at the start of the 1st or 2nd handler execution from now."""
 REPLICA_MEDIA = (None, None, None, "valid", "expired", "broken")
+BURSTS = 1
+"""Bursts of real processes a story runs at most (each costs process starts: about a
+second for 4 processes)."""
+BURST_ODDS = 6
+"""A draw of the burst rule runs one once in this many (the others are no step at all):
+about one story in five has a burst, which keeps the smoke budget."""
 MEDIA = (None, None, None, None, "valid", "expired", "broken", "legacy", "tampered")
 """A message's media (:meth:`~.story.Explorer.receive`): mostly none."""
 ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
@@ -69,7 +75,7 @@ are 600 sweeps; longer waits are the end's :meth:`~.story.Explorer.finish`)."""
 IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-6", "INB-7", "INB-8", "MEDIA-2", "MEDIA-3", "MEDIA-5",
        "OUT-2", "OUT-3", "OUT-5",
        "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15", "LEASE-1", "LEASE-2", "LEASE-3",
-       "REPL-1")
+       "REPL-1", "REPL-3", "REPL-4", "BACK-7", "INB-4")
 """The requirement ids the explorer's model checks (its item's ``spec`` marker)."""
 
 STORY_IMPORTS = ("from botmesh_testkit.explore.story import Explorer, enqueue, fail, reply, reply_nan\n"
@@ -147,13 +153,16 @@ def _plan(mid: str, drawn: list[tuple[Any, ...]]) -> list[Action]:
     return out
 
 
-def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = False) -> type:
+def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = False,
+             processes: tuple[str, ...] = ()) -> type:
     """The state machine class of one backend (built here: Hypothesis is imported only
     when explore runs); without ``crashes`` (a backend that does not claim
     ``survives_crash``) no story dies or restarts; with ``replicas`` (a backend that
     claims ``multi_process``) a second live process boots, takes messages and dies
     (:mod:`.replicas`), and the bot may run on the default ``instance_id`` — rules that
-    a backend without the claim does not even have, so its stories are drawn as before."""
+    a backend without the claim does not even have, so its stories are drawn as before;
+    ``processes``: the workloads a burst of real processes may run (:mod:`.processes`;
+    empty: no burst), at most one burst per story."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -279,6 +288,14 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
             def stop_replica(self) -> None:
                 self._step("await x.stop_replica()", lambda x: x.stop_replica())
 
+        if processes:  # likewise
+            @precondition(lambda self: self.x is not None and self.x.bursts < BURSTS)
+            @rule(workload=st.sampled_from(processes), seed=st.integers(0, 3), go=st.integers(0, BURST_ODDS - 1))
+            def burst(self, workload: str, seed: int, go: int) -> None:
+                if go:  # drawn rarely: a burst costs process starts
+                    return
+                self._step(f"await x.processes({workload!r}, seed={seed})", lambda x: x.processes(workload, seed))
+
         def teardown(self) -> None:
             try:
                 if self.x is not None and not self.failed:
@@ -301,17 +318,18 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
 
 
 def explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None = None,
-            shrink_seconds: float = SHRINK_SECONDS, crashes: bool = True, replicas: bool | None = None) -> ExploreRun:
+            shrink_seconds: float = SHRINK_SECONDS, crashes: bool = True, replicas: bool | None = None,
+            processes: bool = True) -> ExploreRun:
     """Run up to ``examples`` generated stories on ``backend`` (a registry name or
     ``pkg.module:factory``), for at most about ``seconds`` (see the module docstring),
     shrinking a failure for at most about ``shrink_seconds``. ``replicas``: stories
     with a second live process (:mod:`.replicas`); None: when the backend's harness
-    claims ``multi_process``."""
+    claims ``multi_process``. ``processes``: stories with a burst of real processes on
+    the storage (:mod:`.processes`), when the backend claims ``multi_process`` and its
+    harness gives a ``kill_spec()`` (``cas`` only for a ``DurableKv``'s)."""
+    multi, workloads = _multi_process(backend)
     if replicas is None:
-        from ..backends.registry import resolve
-
-        with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
-            replicas = bool(resolve(backend)(tmp).capabilities.multi_process)
+        replicas = multi
     from hypothesis.internal.conjecture import engine
 
     # Hypothesis's own bound on shrinking is 300 s, a module constant (internal: when a
@@ -327,15 +345,44 @@ def explore(backend: str, *, examples: int, seconds: float, seed: int, database:
     quiet.setLevel(logging.ERROR)
     try:
         return _explore(backend, examples=examples, seconds=seconds, seed=seed, database=database, crashes=crashes,
-                        replicas=replicas)
+                        replicas=replicas, processes=workloads if processes else ())
     finally:
         quiet.setLevel(level)
         if saved is not None:
             engine.MAX_SHRINKING_SECONDS = saved
 
 
+def _multi_process(backend: str) -> tuple[bool, tuple[str, ...]]:
+    """Whether ``backend`` claims ``multi_process``, and the workloads a burst of real
+    processes can run on it. A third party's factory is called once to learn its claims
+    (its harness knows them only then); nothing is opened."""
+    from ..backends.factory import FactoryHarness
+    from ..backends.registry import resolve
+    from .processes import WORKLOADS
+
+    with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+        harness = resolve(backend)(tmp)
+        if isinstance(harness, FactoryHarness):
+            made = harness._call()
+            if asyncio.iscoroutine(made):
+                made.close()  # an async factory: its claims stay unknown here
+                return False, ()
+            caps = getattr(made, "capabilities", None)
+            close = getattr(made, "abandon", None)
+            if callable(close) and not asyncio.iscoroutinefunction(close):
+                close()
+        else:
+            caps = harness.capabilities
+        if not (caps is not None and caps.multi_process):
+            return False, ()
+        if harness.kill_spec() is None:
+            return True, ()
+        with_kv = harness.kv_factory() is not None
+        return True, tuple(w for w in WORKLOADS if with_kv or w != "cas")
+
+
 def _explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None,
-             crashes: bool, replicas: bool) -> ExploreRun:
+             crashes: bool, replicas: bool, processes: tuple[str, ...] = ()) -> ExploreRun:
     from hypothesis import HealthCheck, Verbosity, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -351,7 +398,7 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
             run.cut_by_time = True
             break
         n = min(CHUNK, examples - done)
-        machine = hseed(seed + chunk)(_machine(backend, recorder, crashes, replicas))
+        machine = hseed(seed + chunk)(_machine(backend, recorder, crashes, replicas, processes))
         config = settings(max_examples=n, deadline=None, database=db, stateful_step_count=STEPS,
                           suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
         try:

@@ -74,6 +74,7 @@ from botmesh.core.provider import (InboundEvent, MediaUnavailableError, Provider
 from botmesh.core.records import InboxRecord
 from botmesh.core.testing import SimulatedCrash
 
+from .processes import ProcessVerbs
 from .replicas import ReplicaVerbs
 
 __all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
@@ -163,7 +164,7 @@ class _Send:
     kind: str
 
 
-class Explorer(ReplicaVerbs):
+class Explorer(ReplicaVerbs, ProcessVerbs):
     """A scenario's world driven by explore's verbs, with the model beside it (see the
     module docstring). ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the
     channel's limit (None: no split); ``default_id``: the bot runs on the default
@@ -198,6 +199,7 @@ class Explorer(ReplicaVerbs):
         self._inflight: set[asyncio.Future[Any]] = set()
         self._wrap_download()
         self._init_replicas(default_id)
+        self._init_processes()
         s.setup(self._install)
 
     def _wrap_download(self) -> None:
