@@ -200,3 +200,42 @@ def test_explore_finds_two_sqlite_processes_sharing_the_default_instance_id(pyte
     the handler a second time."""
     story = _caught_and_replayed(pytester, SHARED_DEFAULT_ID, "LEASE-3", examples=40, seed=2, backend="sqlite")
     assert "default_id=True" in story and re.search(r"x\.replica\(None, during=[12]\)", story), story
+
+
+MAX_REPLAYS = 3
+"""How often a story whose failure needs a race between processes may be replayed before
+it counts as not failing the same way (the race shows in practically every burst)."""
+
+
+@pytest.mark.spec("BACK-7", "REPL-1", "REPL-4", "TEST-4")
+def test_explore_finds_a_kv_whose_compare_and_set_is_not_atomic_across_processes(pytester: pytest.Pytester) -> None:
+    """A third party's kv that claims multi_process but checks the version and writes in
+    two statements (``CheckThenWriteKv`` of ``tests/test_multi_process_teeth.py``: atomic
+    within one process, racy between processes): explore's burst of real processes
+    (``x.processes('cas')``) loses updates and fails naming BACK-7; its story, replayed
+    as a scenario, fails the same way (replayed up to :data:`MAX_REPLAYS` times: a race
+    is the operating system's, the check of its outcome is not)."""
+    import inspect
+
+    from test_multi_process_teeth import _HEADER, CheckThenWriteKv
+
+    pytester.makepyfile(third_party_kvs=_HEADER + "\n\n" + inspect.getsource(CheckThenWriteKv)
+                        + "\n\ndef make_racy(workdir):\n    return CheckThenWriteKv(os.path.join(workdir, 'racy.db'))\n")
+    result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=third_party_kvs:make_racy",
+                                           "--botmesh-parts=explore", "--botmesh-explore-examples=40",
+                                           "--botmesh-seed=2", timeout=600)
+    out = result.stdout.str()
+    assert result.ret == 1, out[-3000:]
+    result.stdout.fnmatch_lines(["*violated [[]BACK-7, REPL-1[]] 4 processes at once (cas, *won*", "*BROKEN*BACK-7*"])
+    replay = re.search(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios --botmesh-scenarios=(\S+) "
+                       r"-k (\S+)", out)
+    assert replay, out[-3000:]
+    folder, name = Path(replay.group(2)), replay.group(3)
+    assert "x.processes('cas'" in (folder / f"{name}.py").read_text(encoding="utf-8")
+    for _ in range(MAX_REPLAYS):
+        again = pytester.runpytest_subprocess("-p", "no:benchmark", replay.group(1), "--botmesh-parts=scenarios",
+                                              f"--botmesh-scenarios={folder}", "-k", name, timeout=300)
+        if again.ret == 1:
+            break
+    assert again.ret == 1, again.stdout.str()[-3000:]
+    again.stdout.fnmatch_lines(["*FAILED*BACK-7*"])
