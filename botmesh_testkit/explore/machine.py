@@ -9,7 +9,12 @@ rest — and its plan drawn: replies under derived keys or adversarial explicit 
 split by the channel, unjournaled content, concurrent enqueues of one key, a handler that
 raises), a redelivery, a channel fault (transient, rate limited, a chat that refuses for
 good), a death armed at the n-th crash point from now, a restart (with another
-``instance_id`` or the same), virtual time passing. The model is checked after every
+``instance_id`` or the same), virtual time passing. On a backend that claims
+``multi_process`` also a second live bot (a replica booted now or during a handler's
+execution, on the default ``instance_id`` or its own, taking messages, killed:
+:mod:`.replicas`; the story's bot then runs on the default ``instance_id`` or ``i1``)
+and, rarely (:data:`BURST_ODDS`, at most :data:`BURSTS` a story), a burst of real
+processes contending on the storage (:mod:`.processes`). The model is checked after every
 step and at the end (:meth:`~.story.Explorer.finish`). Each example runs in a fresh
 temporary directory, with its own event loop; each step has a real-time budget
 (:data:`STEP_SECONDS`: a step that hangs is a failure).

@@ -55,7 +55,15 @@ What the model requires (each violation names its ids):
   exception, and such a message is processed all the same, never dead-lettered for its
   reference (MEDIA-2, MEDIA-3, MEDIA-5);
 * nothing reaches the channel that no handler sent, and no part twice unless an
-  ambiguity event named it (after every step).
+  ambiguity event named it (after every step);
+* with a second live process (:mod:`.replicas`): no handler running in two live
+  processes at once, no completion of a live process refused as stale, fencing tokens
+  that only grow (LEASE-1, LEASE-2, LEASE-3, REPL-1); a burst of real processes
+  (:mod:`.processes`) is judged as the suite's multi-process items judge it (BACK-7,
+  INB-4, OUT-2, REPL-1, REPL-3, REPL-4, LEASE-1, LEASE-2).
+
+Deaths (INB-7's accounting) are counted once per incarnation of the bot, also one in
+the background (a replay of its sweep) during any step, and once per replica killed.
 """
 
 from __future__ import annotations
