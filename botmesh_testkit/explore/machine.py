@@ -218,9 +218,13 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
                     recorder.found_after = recorder.examples
                 raise exc from None
 
-        @initialize(policy=st.sampled_from(("skip", "resend")), text_limit=st.sampled_from(TEXT_LIMITS),
-                    default_id=st.booleans() if replicas else st.just(False))
-        def begin(self, policy: str, text_limit: int | None, default_id: bool) -> None:
+        drawn_first: dict[str, Any] = {"policy": st.sampled_from(("skip", "resend")),
+                                       "text_limit": st.sampled_from(TEXT_LIMITS)}
+        if replicas:  # only then: the stories of other backends draw as before
+            drawn_first["default_id"] = st.booleans()
+
+        @initialize(**drawn_first)
+        def begin(self, policy: str, text_limit: int | None, default_id: bool = False) -> None:
             self.policy, self.text_limit, self.default_id = policy, text_limit, default_id
             harness = resolve(backend)(self.tmp.name)
             s = Scenario(harness, backend=backend, ids=IDS, policy=policy, origin="explore")
