@@ -83,7 +83,7 @@ class ProcessVerbs:
         from ..conformance.durability.records import _j, inbound, outbound
         from ..kill.contention import cas_increments, claim_rounds, journal_race, owner_of, round_time
         from ..kill.workers import run_workers
-        from .story import ExploreViolation
+        from .violation import ExploreViolation
 
         if workload not in WORKLOADS:
             raise ValueError(f"processes(): unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")

@@ -184,7 +184,7 @@ class ReplicaVerbs:
 
     def check_replicas(self) -> None:
         """The checks of the module docstring that need no look at the backend."""
-        from .story import ExploreViolation
+        from .violation import ExploreViolation
 
         for mid, first, second in self.overlaps:
             ids = self._lease_ids("LEASE-1", "REPL-1")

@@ -84,6 +84,7 @@ from botmesh.core.testing import SimulatedCrash
 
 from .processes import ProcessVerbs
 from .replicas import ReplicaVerbs
+from .violation import ExploreViolation
 
 __all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
 
@@ -138,15 +139,6 @@ def enqueue(text: str, key: str, n: int = 2) -> Action:
 def fail(times: int) -> Action:
     """Raise here on the first ``times`` executions that reach this point."""
     return Action("fail", n=times)
-
-
-class ExploreViolation(AssertionError):
-    """What the model requires did not hold: ``ids`` are the requirement ids broken."""
-
-    def __init__(self, ids: Sequence[str], message: str) -> None:
-        super().__init__(f"[{', '.join(ids)}] {message}")
-        self.ids = tuple(ids)
-        self.message = message
 
 
 @dataclass
