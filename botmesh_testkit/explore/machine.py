@@ -71,7 +71,7 @@ BURSTS = 1
 second for 4 processes)."""
 BURST_ODDS = 6
 """A draw of the burst rule runs one once in this many (the others are no step at all):
-about one story in five has a burst, which keeps the smoke budget."""
+about a quarter of the stories have a burst, which keeps the smoke budget."""
 MEDIA = (None, None, None, None, "valid", "expired", "broken", "legacy", "tampered")
 """A message's media (:meth:`~.story.Explorer.receive`): mostly none."""
 ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
