@@ -363,8 +363,9 @@ def explore(backend: str, *, examples: int, seconds: float, seed: int, database:
 
 def _multi_process(backend: str) -> tuple[bool, tuple[str, ...]]:
     """Whether ``backend`` claims ``multi_process``, and the workloads a burst of real
-    processes can run on it. A third party's factory is called once to learn its claims
-    (its harness knows them only then); nothing is opened."""
+    processes can run on it. A third party's factory is called to learn its claims (its
+    harness knows them only then) and whether it gives a ``DurableKv``; what it returns
+    is not opened (an ``abandon()`` it has is called)."""
     from ..backends.factory import FactoryHarness
     from ..backends.registry import resolve
     from .processes import WORKLOADS
