@@ -8,7 +8,9 @@ still planted, fails the same way.
 Covered here: MEDIA-3/MEDIA-5 (a pre-feature or tampered stored reference killing the
 message; a download error escaping ``load_media_of``), OUT-15 (unjournalable content raising inside ``ctx.reply``), OUT-10 (the
 ``before("send")`` hooks run once per concurrent enqueue of one key), OUT-9 (a deferred
-split send's error naming the part's key). OUT-12 is in ``tests/test_explore.py``."""
+split send's error naming the part's key), LEASE-3 (two live processes on one SQLite file
+with the default ``instance_id`` sharing it: explore's replica, :mod:`botmesh_testkit.explore.replicas`).
+OUT-12 is in ``tests/test_explore.py``."""
 
 from __future__ import annotations
 
@@ -118,12 +120,32 @@ media.load_media_of = load_media_of
 '''
 
 
-def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int) -> str:
-    """Run explore on memory with ``plant`` as conftest; the failure must name
+SHARED_DEFAULT_ID = '''
+import socket
+import uuid
+
+import botmesh.core.engine as engine
+import botmesh.core.sweep as sweep
+
+
+def default_instance_id(bot_id, connection_id, capabilities):
+    # the bug of issue 12 (LEASE-3): the per-boot suffix only on a shared server backend,
+    # not on one that several processes of a host use (SQLite): two of them share the id
+    base = f"{socket.gethostname()}/{bot_id}/{connection_id}"
+    return f"{base}/{uuid.uuid4().hex[:8]}" if capabilities.shared else base
+
+
+sweep.default_instance_id = engine.default_instance_id = default_instance_id  # the engine imports it by name
+'''
+
+
+def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int,
+                         backend: str = "memory") -> str:
+    """Run explore on ``backend`` with ``plant`` as conftest; the failure must name
     ``spec_id``, and its story, replayed as a scenario, must fail naming it too.
     Returns the story's text."""
     pytester.makeconftest(plant)
-    result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=memory", "--botmesh-parts=explore",
+    result = pytester.runpytest_subprocess("-p", "no:benchmark", f"--botmesh-backend={backend}", "--botmesh-parts=explore",
                                            f"--botmesh-explore-examples={examples}", f"--botmesh-seed={seed}",
                                            timeout=600)
     out = result.stdout.str()
@@ -169,3 +191,51 @@ def test_explore_finds_a_bad_stored_media_reference_killing_the_message(pytester
 def test_explore_finds_a_download_error_escaping_load_media_of(pytester: pytest.Pytester) -> None:
     story = _caught_and_replayed(pytester, DOWNLOAD_ERROR_ESCAPES, "MEDIA-3", examples=40, seed=2)
     assert "media='broken'" in story, story
+
+
+@pytest.mark.spec("LEASE-3", "LEASE-1", "REPL-1", "TEST-4")
+def test_explore_finds_two_sqlite_processes_sharing_the_default_instance_id(pytester: pytest.Pytester) -> None:
+    """A replica booting while the bot holds a lease, both on the default instance_id:
+    without the per-boot suffix on SQLite its recovery pass takes the live lease and runs
+    the handler a second time."""
+    story = _caught_and_replayed(pytester, SHARED_DEFAULT_ID, "LEASE-3", examples=40, seed=2, backend="sqlite")
+    assert "default_id=True" in story and re.search(r"x\.replica\(None, during=[12]\)", story), story
+
+
+MAX_REPLAYS = 3
+"""How often a story whose failure needs a race between processes may be replayed before
+it counts as not failing the same way (the race shows in practically every burst)."""
+
+
+@pytest.mark.spec("BACK-7", "REPL-1", "REPL-4", "TEST-4")
+def test_explore_finds_a_kv_whose_compare_and_set_is_not_atomic_across_processes(pytester: pytest.Pytester) -> None:
+    """A third party's kv that claims multi_process but checks the version and writes in
+    two statements (``CheckThenWriteKv`` of ``tests/test_multi_process_teeth.py``: atomic
+    within one process, racy between processes): explore's burst of real processes
+    (``x.processes('cas')``) loses updates and fails naming BACK-7; its story, replayed
+    as a scenario, fails the same way (replayed up to :data:`MAX_REPLAYS` times: a race
+    is the operating system's, the check of its outcome is not)."""
+    import inspect
+
+    from test_multi_process_teeth import _HEADER, CheckThenWriteKv
+
+    pytester.makepyfile(third_party_kvs=_HEADER + "\n\n" + inspect.getsource(CheckThenWriteKv)
+                        + "\n\ndef make_racy(workdir):\n    return CheckThenWriteKv(os.path.join(workdir, 'racy.db'))\n")
+    result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=third_party_kvs:make_racy",
+                                           "--botmesh-parts=explore", "--botmesh-explore-examples=40",
+                                           "--botmesh-seed=2", timeout=600)
+    out = result.stdout.str()
+    assert result.ret == 1, out[-3000:]
+    result.stdout.fnmatch_lines(["*violated [[]BACK-7, REPL-1[]] 4 processes at once (cas, *won*", "*BROKEN*BACK-7*"])
+    replay = re.search(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios --botmesh-scenarios=(\S+) "
+                       r"-k (\S+)", out)
+    assert replay, out[-3000:]
+    folder, name = Path(replay.group(2)), replay.group(3)
+    assert "x.processes('cas'" in (folder / f"{name}.py").read_text(encoding="utf-8")
+    for _ in range(MAX_REPLAYS):
+        again = pytester.runpytest_subprocess("-p", "no:benchmark", replay.group(1), "--botmesh-parts=scenarios",
+                                              f"--botmesh-scenarios={folder}", "-k", name, timeout=300)
+        if again.ret == 1:
+            break
+    assert again.ret == 1, again.stdout.str()[-3000:]
+    again.stdout.fnmatch_lines(["*FAILED*BACK-7*"])

@@ -184,3 +184,43 @@ def test_a_last_transaction_with_a_frame_lost_in_a_power_cut_opens_without_it(tm
     data[at:at + FRAME] = bytes(FRAME)
     wal.write_bytes(bytes(data))
     assert set(read_all(db)) == {"k0", "k1", "k2"}
+
+
+@pytest.mark.spec("REPL-4", "BACK-5")
+def test_opening_the_journals_keeps_the_locks_of_this_process_other_connections(tmp_path: Path) -> None:
+    """The write-ahead-log check at open reads the page size from the connection, never
+    by opening the database file: closing that file would drop every POSIX lock of the
+    process on it, the shared lock of its live connections too, and another process
+    closing its last connection would then delete the log under them (found by
+    explore's bursts of real processes, issue 12: "database disk image is malformed" at
+    the second burst). A process holds the journals open, opens them a second time, and
+    two bursts of 4 processes journal beside it: every record is there, the file whole."""
+    from botmesh_testkit.backends.base import SQLiteSpec
+    from botmesh_testkit.conformance.durability.records import inbound, outbound
+    from botmesh_testkit.kill.contention import journal_race
+    from botmesh_testkit.kill.workers import run_workers
+
+    path = str(tmp_path / "bot.db")
+
+    async def body() -> None:
+        held = SQLiteKv(path)
+        await held.open()
+        second = SQLiteKv(path)  # an open in a process that already holds the file (the check runs again)
+        await second.open()
+        try:
+            for burst in range(2):
+                ids = ["r0", "r1", "r2"]
+                params = {"scope": f"s{burst}", "inbox": [inbound(i).to_json() for i in ids],
+                          "outbox": [outbound(i).to_json() for i in ids]}
+                run = await asyncio.to_thread(run_workers, SQLiteSpec(path), journal_race, processes=4, seed=burst,
+                                              params=params, timeout=45)
+                assert not run.failures, run.describe_failures()
+                for i in ids:
+                    assert await held.get(f"s{burst}", "inbox", i) is not None, (burst, i)
+        finally:
+            await second.close()
+            await held.close()
+
+    asyncio.run(body())
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]

@@ -9,7 +9,12 @@ rest — and its plan drawn: replies under derived keys or adversarial explicit 
 split by the channel, unjournaled content, concurrent enqueues of one key, a handler that
 raises), a redelivery, a channel fault (transient, rate limited, a chat that refuses for
 good), a death armed at the n-th crash point from now, a restart (with another
-``instance_id`` or the same), virtual time passing. The model is checked after every
+``instance_id`` or the same), virtual time passing. On a backend that claims
+``multi_process`` also a second live bot (a replica booted now or during a handler's
+execution, on the default ``instance_id`` or its own, taking messages, killed:
+:mod:`.replicas`; the story's bot then runs on the default ``instance_id`` or ``i1``)
+and, rarely (:data:`BURST_ODDS`, at most :data:`BURSTS` a story), a burst of real
+processes contending on the storage (:mod:`.processes`). The model is checked after every
 step and at the end (:meth:`~.story.Explorer.finish`). Each example runs in a fresh
 temporary directory, with its own event loop; each step has a real-time budget
 (:data:`STEP_SECONDS`: a step that hangs is a failure).
@@ -55,6 +60,18 @@ KEYS = ("a", "a#2", "order", "order#2", "m1:1", "m2:1", "clé-ключ", "k" * 4
 take (``#2``), a user's key equal to a derived one (``m1:1``), unicode, the longest id
 (448 characters)."""
 TEXT_LIMITS = (None, 16, 24)
+REPLICA_IDS = (None, None, "replica")
+"""The replica's ``instance_id``: mostly the default (LEASE-3), else an explicit one of its
+own (booted again after a death, it is the same instance: LEASE-4)."""
+REPLICA_DURING = (0, 1, 1, 2)
+"""When the replica boots: now, or at the start of the 1st or 2nd handler execution from now."""
+REPLICA_MEDIA = (None, None, None, "valid", "expired", "broken")
+BURSTS = 1
+"""Bursts of real processes a story runs at most (each costs process starts: about a
+second for 4 processes)."""
+BURST_ODDS = 6
+"""A draw of the burst rule runs one once in this many (the others are no step at all):
+about a quarter of the stories have a burst, which keeps the smoke budget."""
 MEDIA = (None, None, None, None, "valid", "expired", "broken", "legacy", "tampered")
 """A message's media (:meth:`~.story.Explorer.receive`): mostly none."""
 ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
@@ -62,7 +79,8 @@ ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
 are 600 sweeps; longer waits are the end's :meth:`~.story.Explorer.finish`)."""
 IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-6", "INB-7", "INB-8", "MEDIA-2", "MEDIA-3", "MEDIA-5",
        "OUT-2", "OUT-3", "OUT-5",
-       "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15")
+       "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15", "LEASE-1", "LEASE-2", "LEASE-3",
+       "REPL-1", "REPL-3", "REPL-4", "BACK-7", "INB-4")
 """The requirement ids the explorer's model checks (its item's ``spec`` marker)."""
 
 STORY_IMPORTS = ("from botmesh_testkit.explore.story import Explorer, enqueue, fail, reply, reply_nan\n"
@@ -79,6 +97,8 @@ class ExploreFailure:
     """The story's verbs as scenario lines (``await x.receive(...)``), the failing one last."""
     policy: str
     text_limit: int | None
+    default_id: bool = False
+    """The story's bot ran on the default ``instance_id`` (``Explorer(s, default_id=True)``)."""
 
 
 @dataclass
@@ -138,10 +158,16 @@ def _plan(mid: str, drawn: list[tuple[Any, ...]]) -> list[Action]:
     return out
 
 
-def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
+def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = False,
+             processes: tuple[str, ...] = ()) -> type:
     """The state machine class of one backend (built here: Hypothesis is imported only
     when explore runs); without ``crashes`` (a backend that does not claim
-    ``survives_crash``) no story dies or restarts."""
+    ``survives_crash``) no story dies or restarts; with ``replicas`` (a backend that
+    claims ``multi_process``) a second live process boots, takes messages and dies
+    (:mod:`.replicas`), and the bot may run on the default ``instance_id`` — rules that
+    a backend without the claim does not even have, so its stories are drawn as before;
+    ``processes``: the workloads a burst of real processes may run (:mod:`.processes`;
+    empty: no burst), at most one burst per story."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -167,6 +193,7 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
             self.lines: list[str] = []
             self.policy = "skip"
             self.text_limit: int | None = None
+            self.default_id = False
             self.failed = False
             recorder.examples += 1
 
@@ -185,17 +212,23 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
                                            "real seconds (the world runs on a virtual clock: the backend hangs)")
                 ids = exc.ids if isinstance(exc, ExploreViolation) else ()
                 message = exc.message if isinstance(exc, ExploreViolation) else f"{type(exc).__name__}: {exc}"
-                recorder.failure = ExploreFailure(ids, message, list(self.lines), self.policy, self.text_limit)
+                recorder.failure = ExploreFailure(ids, message, list(self.lines), self.policy, self.text_limit,
+                                                  self.default_id)
                 if recorder.found_after is None:
                     recorder.found_after = recorder.examples
                 raise exc from None
 
-        @initialize(policy=st.sampled_from(("skip", "resend")), text_limit=st.sampled_from(TEXT_LIMITS))
-        def begin(self, policy: str, text_limit: int | None) -> None:
-            self.policy, self.text_limit = policy, text_limit
+        drawn_first: dict[str, Any] = {"policy": st.sampled_from(("skip", "resend")),
+                                       "text_limit": st.sampled_from(TEXT_LIMITS)}
+        if replicas:  # only then: the stories of other backends draw as before
+            drawn_first["default_id"] = st.booleans()
+
+        @initialize(**drawn_first)
+        def begin(self, policy: str, text_limit: int | None, default_id: bool = False) -> None:
+            self.policy, self.text_limit, self.default_id = policy, text_limit, default_id
             harness = resolve(backend)(self.tmp.name)
             s = Scenario(harness, backend=backend, ids=IDS, policy=policy, origin="explore")
-            self.x = Explorer(s, text_limit=text_limit, policy=policy)
+            self.x = Explorer(s, text_limit=text_limit, policy=policy, default_id=default_id)
             self.count = 0
             self._step("await x.start()", lambda x: x.start())
 
@@ -240,6 +273,38 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
         def advance(self, ms: float) -> None:
             self._step(f"await x.advance({ms:g})", lambda x: x.advance(ms))
 
+        if replicas:  # defined only here: the stories of other backends draw as before
+            @precondition(lambda self: self.x is not None and self.x.replica_bot is None
+                          and self.x._armed_boot is None)
+            @rule(instance_id=st.sampled_from(REPLICA_IDS), during=st.sampled_from(REPLICA_DURING))
+            def boot_replica(self, instance_id: str | None, during: int) -> None:
+                self._step(f"await x.replica({instance_id!r}, during={during})",
+                           lambda x: x.replica(instance_id, during))
+
+            @precondition(lambda self: self.x is not None and self.x.replica_bot is not None)
+            @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4),
+                  media=st.sampled_from(REPLICA_MEDIA))
+            def receive_at_replica(self, chat: str, drawn: list[tuple[Any, ...]], media: str | None) -> None:
+                self.count += 1
+                mid = f"m{self.count}"
+                actions = _plan(mid, drawn)
+                extra = "" if media is None else f", media={media!r}"
+                self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r}{extra}, replica=True)",
+                           lambda x: x.receive(chat, mid, actions, media, replica=True))
+
+            @precondition(lambda self: self.x is not None and self.x.replica_bot is not None)
+            @rule()
+            def stop_replica(self) -> None:
+                self._step("await x.stop_replica()", lambda x: x.stop_replica())
+
+        if processes:  # likewise
+            @precondition(lambda self: self.x is not None and self.x.bursts < BURSTS)
+            @rule(workload=st.sampled_from(processes), seed=st.integers(0, 3), go=st.integers(0, BURST_ODDS - 1))
+            def burst(self, workload: str, seed: int, go: int) -> None:
+                if go:  # drawn rarely: a burst costs process starts
+                    return
+                self._step(f"await x.processes({workload!r}, seed={seed})", lambda x: x.processes(workload, seed))
+
         def teardown(self) -> None:
             try:
                 if self.x is not None and not self.failed:
@@ -262,10 +327,18 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool) -> type:
 
 
 def explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None = None,
-            shrink_seconds: float = SHRINK_SECONDS, crashes: bool = True) -> ExploreRun:
+            shrink_seconds: float = SHRINK_SECONDS, crashes: bool = True, replicas: bool | None = None,
+            processes: bool = True) -> ExploreRun:
     """Run up to ``examples`` generated stories on ``backend`` (a registry name or
     ``pkg.module:factory``), for at most about ``seconds`` (see the module docstring),
-    shrinking a failure for at most about ``shrink_seconds``."""
+    shrinking a failure for at most about ``shrink_seconds``. ``replicas``: stories
+    with a second live process (:mod:`.replicas`); None: when the backend's harness
+    claims ``multi_process``. ``processes``: stories with a burst of real processes on
+    the storage (:mod:`.processes`), when the backend claims ``multi_process`` and its
+    harness gives a ``kill_spec()`` (``cas`` only for a ``DurableKv``'s)."""
+    multi, workloads = _multi_process(backend)
+    if replicas is None:
+        replicas = multi
     from hypothesis.internal.conjecture import engine
 
     # Hypothesis's own bound on shrinking is 300 s, a module constant (internal: when a
@@ -280,15 +353,46 @@ def explore(backend: str, *, examples: int, seconds: float, seed: int, database:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        return _explore(backend, examples=examples, seconds=seconds, seed=seed, database=database, crashes=crashes)
+        return _explore(backend, examples=examples, seconds=seconds, seed=seed, database=database, crashes=crashes,
+                        replicas=replicas, processes=workloads if processes else ())
     finally:
         quiet.setLevel(level)
         if saved is not None:
             engine.MAX_SHRINKING_SECONDS = saved
 
 
+def _multi_process(backend: str) -> tuple[bool, tuple[str, ...]]:
+    """Whether ``backend`` claims ``multi_process``, and the workloads a burst of real
+    processes can run on it. A third party's factory is called to learn its claims (its
+    harness knows them only then) and whether it gives a ``DurableKv``; what it returns
+    is not opened (an ``abandon()`` it has is called)."""
+    from ..backends.factory import FactoryHarness
+    from ..backends.registry import resolve
+    from .processes import WORKLOADS
+
+    with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
+        harness = resolve(backend)(tmp)
+        if isinstance(harness, FactoryHarness):
+            made = harness._call()
+            if asyncio.iscoroutine(made):
+                made.close()  # an async factory: its claims stay unknown here
+                return False, ()
+            caps = getattr(made, "capabilities", None)
+            close = getattr(made, "abandon", None)
+            if callable(close) and not asyncio.iscoroutinefunction(close):
+                close()
+        else:
+            caps = harness.capabilities
+        if not (caps is not None and caps.multi_process):
+            return False, ()
+        if harness.kill_spec() is None:
+            return True, ()
+        with_kv = harness.kv_factory() is not None
+        return True, tuple(w for w in WORKLOADS if with_kv or w != "cas")
+
+
 def _explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None,
-             crashes: bool) -> ExploreRun:
+             crashes: bool, replicas: bool, processes: tuple[str, ...] = ()) -> ExploreRun:
     from hypothesis import HealthCheck, Verbosity, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -304,7 +408,7 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
             run.cut_by_time = True
             break
         n = min(CHUNK, examples - done)
-        machine = hseed(seed + chunk)(_machine(backend, recorder, crashes))
+        machine = hseed(seed + chunk)(_machine(backend, recorder, crashes, replicas, processes))
         config = settings(max_examples=n, deadline=None, database=db, stateful_step_count=STEPS,
                           suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
         try:
@@ -330,7 +434,8 @@ def render_story(backend: str, seed: int, failure: ExploreFailure) -> tuple[str,
     """The scenario file (its function's name, its text) that replays ``failure``."""
     name = f"explore_{re.sub(r'[^0-9A-Za-z]', '_', backend)}_{seed}"
     ids = failure.ids or IDS
-    body = [f"    x = Explorer(s, text_limit={failure.text_limit!r}, policy={failure.policy!r})"]
+    extra = ", default_id=True" if failure.default_id else ""
+    body = [f"    x = Explorer(s, text_limit={failure.text_limit!r}, policy={failure.policy!r}{extra})"]
     body += [f"    {line}" for line in failure.lines]
     if not failure.lines or not failure.lines[-1].endswith("x.finish()"):
         body.append("    await x.finish()")

@@ -55,7 +55,15 @@ What the model requires (each violation names its ids):
   exception, and such a message is processed all the same, never dead-lettered for its
   reference (MEDIA-2, MEDIA-3, MEDIA-5);
 * nothing reaches the channel that no handler sent, and no part twice unless an
-  ambiguity event named it (after every step).
+  ambiguity event named it (after every step);
+* with a second live process (:mod:`.replicas`): no handler running in two live
+  processes at once, no completion of a live process refused as stale, fencing tokens
+  that only grow (LEASE-1, LEASE-2, LEASE-3, REPL-1); a burst of real processes
+  (:mod:`.processes`) is judged as the suite's multi-process items judge it (BACK-7,
+  INB-4, OUT-2, REPL-1, REPL-3, REPL-4, LEASE-1, LEASE-2).
+
+Deaths (INB-7's accounting) are counted once per incarnation of the bot, also one in
+the background (a replay of its sweep) during any step, and once per replica killed.
 """
 
 from __future__ import annotations
@@ -73,6 +81,10 @@ from botmesh.core.provider import (InboundEvent, MediaUnavailableError, Provider
                                    RecipientUnreachableError)
 from botmesh.core.records import InboxRecord
 from botmesh.core.testing import SimulatedCrash
+
+from .processes import ProcessVerbs
+from .replicas import ReplicaVerbs
+from .violation import ExploreViolation
 
 __all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
 
@@ -129,15 +141,6 @@ def fail(times: int) -> Action:
     return Action("fail", n=times)
 
 
-class ExploreViolation(AssertionError):
-    """What the model requires did not hold: ``ids`` are the requirement ids broken."""
-
-    def __init__(self, ids: Sequence[str], message: str) -> None:
-        super().__init__(f"[{', '.join(ids)}] {message}")
-        self.ids = tuple(ids)
-        self.message = message
-
-
 @dataclass
 class _Message:
     chat: str
@@ -161,13 +164,14 @@ class _Send:
     kind: str
 
 
-class Explorer:
+class Explorer(ReplicaVerbs, ProcessVerbs):
     """A scenario's world driven by explore's verbs, with the model beside it (see the
     module docstring). ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the
-    channel's limit (None: no split)."""
+    channel's limit (None: no split); ``default_id``: the bot runs on the default
+    ``instance_id`` (LEASE-3) instead of ``i1`` (see :mod:`.replicas`)."""
 
     def __init__(self, s: Any, *, text_limit: int | None = None, policy: str = "skip",
-                 on_diverged: str = "send") -> None:
+                 on_diverged: str = "send", default_id: bool = False) -> None:
         self.s = s
         self.world = s.world
         self.world.channel.text_limit = text_limit
@@ -188,10 +192,14 @@ class Explorer:
         """(error, key expected, key named, text, derived) of an error naming another key."""
         self.dead_chats: set[str] = set()
         self.crashes = 0
+        """Deaths of the bot's incarnations and replicas so far (each counted once: :meth:`_note_death`)."""
+        self._death_noted = 0
         self.instance = 1
         self.transient = 0
         self._inflight: set[asyncio.Future[Any]] = set()
         self._wrap_download()
+        self._init_replicas(default_id)
+        self._init_processes()
         s.setup(self._install)
 
     def _wrap_download(self) -> None:
@@ -212,14 +220,18 @@ class Explorer:
 
     # -- the bot --------------------------------------------------------------------------
     def _install(self, bot: Any) -> None:
-        incarnation = self.world.incarnations + 1
+        self._install_as(bot, self.world.incarnations + 1)
+
+    def _install_as(self, bot: Any, process: int) -> None:
+        """The plan handler and the hook counter on ``bot``, the process ``process``
+        (an incarnation of the world's bot, or ``-n`` for the n-th replica)."""
 
         def hook(chat_id: str, content: dict[str, Any]) -> None:
-            self.hooks[(incarnation, str(content.get("text", "")))] += 1
+            self.hooks[(process, str(content.get("text", "")))] += 1
 
         bot.before("send")(hook)
 
-        bot.otherwise(self._handle)
+        bot.otherwise(self._tracked(process, self._handle))
 
     async def _handle(self, ctx: Any) -> None:
         msg = self.messages.get(ctx.event.id)
@@ -308,13 +320,21 @@ class Explorer:
         await d.backend.inbox_journal(d.scope, InboxRecord(id=msg.mid, chat_id=msg.chat, event=event, state="pending",
                                                            next_at=now, created_at=now, updated_at=now))
 
+    def _note_death(self) -> None:
+        """The bot's current incarnation died (or was killed alive): one death, however
+        many verbs see it — it may die in the background (a replay of its sweep) during
+        any step."""
+        if self._death_noted != self.world.incarnations:
+            self._death_noted = self.world.incarnations
+            self.crashes += 1
+
     # -- verbs ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
         await self.world.start(crash=True)
 
-    async def _deliver(self, msg: _Message) -> None:
-        if self.world.crashed:
+    async def _deliver(self, msg: _Message, bot: Any = None) -> None:
+        if bot is None and self.world.crashed:
             return
         media = None
         if msg.media in ("valid", "expired", "broken"):
@@ -323,13 +343,13 @@ class Explorer:
             if msg.media == "valid":
                 self.world.channel.media_bytes[url] = MEDIA_BYTES + msg.mid.encode()
         event = InboundEvent(id=msg.mid, chat_id=msg.chat, text=msg.mid, media=media)
-        task = asyncio.ensure_future(self.world.bot.provider.deliver(event))
+        task = asyncio.ensure_future((bot or self.world.bot).provider.deliver(event))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         try:
             ok = await self.world.drive(task)
         except SimulatedCrash:
-            self.crashes += 1
+            self._note_death()
             return
         if ok:
             msg.acked = True
@@ -346,12 +366,26 @@ class Explorer:
             await asyncio.gather(*left, return_exceptions=True)
         self._inflight.clear()
 
-    async def receive(self, chat: str, mid: str, actions: Sequence[Action], media: str | None = None) -> None:
+    async def receive(self, chat: str, mid: str, actions: Sequence[Action], media: str | None = None,
+                      replica: bool = False) -> None:
         """The channel delivers message ``mid`` (its plan: ``actions``), with ``media``:
         ``valid`` (a reference the channel serves), ``expired`` (one it no longer
         serves), ``broken`` (one whose download fails with an ``OSError``), or —
         journaled before this delivery, as a dead process left it — ``legacy`` or
-        ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first."""
+        ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first.
+        With ``replica``, to the live replica (:meth:`replica`) instead of the bot."""
+        if replica:
+            if self.replica_bot is None:
+                raise ValueError("receive(replica=True): no replica is alive; boot one with replica()")
+            if media in ("legacy", "tampered"):
+                raise ValueError(f"receive(replica=True): media={media!r} is journaled by the main bot; "
+                                 "the replica takes None, 'valid', 'expired' or 'broken'")
+            if mid not in self.messages:
+                self.messages[mid] = _Message(chat, mid, tuple(actions), media=media)
+                self.order.append(mid)
+            await self._deliver(self.messages[mid], self.replica_bot)
+            await self._after_replica_step()
+            return
         if mid not in self.messages:
             self.messages[mid] = _Message(chat, mid, tuple(actions), media=media)
             self.order.append(mid)
@@ -359,7 +393,7 @@ class Explorer:
                 try:
                     await self._journal_before(self.messages[mid])
                 except SimulatedCrash:  # a crash armed at this write: the process dies here
-                    self.crashes += 1
+                    self._note_death()
         await self._deliver(self.messages[mid])
         self.check()
 
@@ -382,10 +416,10 @@ class Explorer:
             self.instance += 1
             self.world.instance_id = f"i{self.instance}"
         if self.world.bot is not None:
-            if not self.world.crashed:
-                # a live process dies here: an execution it had in flight (a reply sleeping on
-                # its inline retry's backoff) is cut short like one a crash cuts (INB-7)
-                self.crashes += 1
+            # a live process dies here: an execution it had in flight (a reply sleeping on its
+            # inline retry's backoff) is cut short like one a crash cuts (INB-7); a dead one's
+            # death is counted once
+            self._note_death()
             await self.world.bot.abandon()
         await self._bury()
         await self.world.start(crash=True)
@@ -431,7 +465,7 @@ class Explorer:
             try:
                 await self.world.clock.advance(ms)
             except SimulatedCrash:
-                self.crashes += 1
+                self._note_death()
         self.check()
 
     async def finish(self) -> None:
@@ -513,6 +547,8 @@ class Explorer:
         """What must hold after every step: nothing reached the channel that no handler
         sent; no part twice unless an ambiguity named it; a bypassed send no more often
         than executions made it; the hooks; the keys named by errors."""
+        if self.world.crashed:
+            self._note_death()
         got = self._delivered()
         possible: dict[tuple[str, str], _Send] = {}
         for send in self._sends():
@@ -545,6 +581,7 @@ class Explorer:
             if not derived:
                 raise ExploreViolation(("OUT-9",), f"{error} of the send under the key {expected!r} names the key "
                                        f"{named!r}: the outbox key of a send with an explicit key is that key")
+        self.check_replicas()
 
     def _check_hooks(self) -> None:
         journaled = {s.text for s in self._sends() if s.kind != "reply_nan"}
@@ -555,6 +592,7 @@ class Explorer:
 
     async def final_check(self) -> None:
         """The model's whole check at the end (see the module docstring)."""
+        await self._look_at_tokens()
         self.check()
         d = self.world.bot.durability
         inbox = {r.id: r for r in await d.inbox.list()}

@@ -201,7 +201,9 @@ def _setup(conn: sqlite3.Connection, busy_timeout_ms: int, file: str = "", journ
     conn.create_function("botmesh_row_crc", 7, row_crc, deterministic=True)
     conn.execute("BEGIN IMMEDIATE")
     try:
-        check_wal(file)  # under the write lock: no other process appends to or resets the log meanwhile
+        # under the write lock: no other process appends to or resets the log meanwhile; the page
+        # size from the connection, never by opening the file (that would drop this process's locks)
+        check_wal(file, int(conn.execute("PRAGMA page_size").fetchone()[0]))
         fresh = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
         for statement in SCHEMA:
             conn.execute(statement)

@@ -87,11 +87,23 @@ def _checksum(data: bytes, s1: int, s2: int, big: bool) -> tuple[int, int]:
     return s1, s2
 
 
-def check_wal(file: str) -> None:
+def check_wal(file: str, page_size: int | None = None) -> None:
     """Refuse a write-ahead log of ``file`` in which a frame fails its checksum before
     the log's last transaction (see the module docstring). Nothing to check when there is
     no ``-wal`` file, or no committed frame of the log's current generation after the
-    damage."""
+    damage.
+
+    ``page_size``: the database's page size as an open connection reports it (``PRAGMA
+    page_size``); give it whenever this process may hold a connection to ``file``. Read
+    from the file instead, the open and close of the database file would drop every
+    POSIX lock this process holds on it (``fcntl`` locks belong to the process and go
+    with *any* close of the file), among them the shared lock of its live connections:
+    another process closing its last connection would then take itself for the last
+    one, checkpoint and delete the log under them — a file "malformed" at the next
+    write (found by explore's bursts of real processes, issue 12). Only the log itself
+    (never locked by SQLite) is read then; a log whose header was torn when it was
+    restarted still reads database pages from the file (a rare path, at an open after a
+    power cut)."""
     wal = file + "-wal"
     try:
         with open(wal, "rb") as f:
@@ -100,7 +112,7 @@ def check_wal(file: str) -> None:
         return  # none, or one SQLite itself reports it cannot read
     if len(data) < _HEADER:
         return
-    log = _Log(data, _database_page_size(file))
+    log = _Log(data, page_size if page_size is not None else _database_page_size(file))
     if log.page_size is None:
         return  # not a frame layout this check can follow (SQLite ignores such a log)
     first_bad, previous = log.first_bad()
