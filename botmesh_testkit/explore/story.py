@@ -74,7 +74,9 @@ from botmesh.core.provider import (InboundEvent, MediaUnavailableError, Provider
 from botmesh.core.records import InboxRecord
 from botmesh.core.testing import SimulatedCrash
 
-__all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
+from .sweeping import SweepModel
+
+__all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan", "slow"]
 
 INBOX_MAX_ATTEMPTS = 3
 """``inbox.max_attempts`` of the explored bots (small, so that the DLQ is reached)."""
@@ -91,7 +93,7 @@ DRAIN_CHUNK_MS = 60_000.0
 @dataclass(frozen=True)
 class Action:
     """One thing a message's handler does (build them with :func:`reply`,
-    :func:`reply_nan`, :func:`enqueue`, :func:`fail`)."""
+    :func:`reply_nan`, :func:`enqueue`, :func:`fail`, :func:`slow`)."""
 
     kind: str
     text: str = ""
@@ -99,8 +101,8 @@ class Action:
     n: int = 1
 
     def __repr__(self) -> str:
-        if self.kind == "fail":
-            return f"fail({self.n})"
+        if self.kind in ("fail", "slow"):
+            return f"{self.kind}({self.n})"
         args = [repr(self.text)]
         if self.key is not None:
             args.append(f"key={self.key!r}")
@@ -127,6 +129,14 @@ def enqueue(text: str, key: str, n: int = 2) -> Action:
 def fail(times: int) -> Action:
     """Raise here on the first ``times`` executions that reach this point."""
     return Action("fail", n=times)
+
+
+def slow(ms: int) -> Action:
+    """Take ``ms`` of virtual time here when the execution is a replay (the sweep's, of
+    a record a dead process left: a slow API on a cold start, a long job); a live
+    delivery passes. A replayed handler that takes long holds up no due send (issue
+    12)."""
+    return Action("slow", n=ms)
 
 
 class ExploreViolation(AssertionError):
@@ -161,10 +171,11 @@ class _Send:
     kind: str
 
 
-class Explorer:
+class Explorer(SweepModel):
     """A scenario's world driven by explore's verbs, with the model beside it (see the
-    module docstring). ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the
-    channel's limit (None: no split)."""
+    module docstring; the sweep's verbs and checks are :class:`~.sweeping.SweepModel`'s).
+    ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the channel's limit (None: no
+    split)."""
 
     def __init__(self, s: Any, *, text_limit: int | None = None, policy: str = "skip",
                  on_diverged: str = "send") -> None:
@@ -192,6 +203,7 @@ class Explorer:
         self.transient = 0
         self._inflight: set[asyncio.Future[Any]] = set()
         self._wrap_download()
+        self._init_sweep()
         s.setup(self._install)
 
     def _wrap_download(self) -> None:
@@ -218,6 +230,9 @@ class Explorer:
             self.hooks[(incarnation, str(content.get("text", "")))] += 1
 
         bot.before("send")(hook)
+        self._incarnation()
+        if self.world.crashable is not None:
+            self._poison(self.world.crashable)
 
         bot.otherwise(self._handle)
 
@@ -226,6 +241,7 @@ class Explorer:
         if msg is None:
             return
         msg.executions += 1
+        self._started(msg.mid)
         derived = 0
         if msg.media is not None:
             await self._load_media(ctx, msg)
@@ -235,6 +251,10 @@ class Explorer:
                     if msg.fail_passes[i] < act.n:
                         msg.fail_passes[i] += 1
                         raise RuntimeError(f"explore: {msg.mid} fails at action {i}")
+                    continue
+                if act.kind == "slow":
+                    if id(ctx.event) not in self.live:  # a replay (a live delivery is quick)
+                        await self._slow(act.n)
                     continue
                 if act.kind == "enqueue":
                     assert act.key is not None
@@ -326,11 +346,14 @@ class Explorer:
         task = asyncio.ensure_future(self.world.bot.provider.deliver(event))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
+        self.live[id(event)] = event
         try:
             ok = await self.world.drive(task)
         except SimulatedCrash:
             self.crashes += 1
             return
+        finally:
+            del self.live[id(event)]
         if ok:
             msg.acked = True
 
@@ -378,6 +401,7 @@ class Explorer:
         """The process dies (if it has not) and the next starts — with another
         ``instance_id`` when ``new_instance`` — then the channel redelivers every
         message it has not had acknowledged."""
+        self._note_deaths()
         if new_instance:
             self.instance += 1
             self.world.instance_id = f"i{self.instance}"
@@ -458,8 +482,9 @@ class Explorer:
         """Let up to ``FINISH_MS`` pass until everything settled, checking the model every
         ``DRAIN_CHUNK_MS``: a backend that resends for ever fails at its first duplicate,
         not after an hour of virtual time swept second by second."""
-        end = self.world.clock.now() + FINISH_MS
+        end = self.world.clock.now() + FINISH_MS + self.slow_total()
         while not self.world.crashed and self.world.clock.now() < end:
+            await self.skip_busy(end)  # nothing can settle while a handler sleeps: no look every second
             before = self.world.clock.now()
             await self.world.drain(min(DRAIN_CHUNK_MS, end - before))
             self.check()
@@ -545,6 +570,7 @@ class Explorer:
             if not derived:
                 raise ExploreViolation(("OUT-9",), f"{error} of the send under the key {expected!r} names the key "
                                        f"{named!r}: the outbox key of a send with an explicit key is that key")
+        self.check_sweep()
 
     def _check_hooks(self) -> None:
         journaled = {s.text for s in self._sends() if s.kind != "reply_nan"}
