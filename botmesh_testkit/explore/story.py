@@ -517,6 +517,14 @@ class Explorer(SweepModel):
         first_fail = next((i for i, a in enumerate(msg.actions) if a.kind == "fail"), len(msg.actions))
         return msg.completed > 0 or (msg.raised > 0 and send.index < first_fail)
 
+    def _arrived_unreached(self, key: str, done: set[str]) -> bool:
+        """Whether a send under the explicit ``key`` of a message that did not end
+        ``done`` (dead-lettered after executions cut short, its sends journaled all the
+        same) reached the channel: the later sends under that key are that one send."""
+        got = self._delivered()
+        return any(s.key == key and not self._reached(s, done) and any(got[(s.chat, p)] for p in self._parts(s.text))
+                   for s in self._sends())
+
     def _key_of(self, send: _Send) -> str:
         """The send's key: the one given, or the derived ``<record id>:<n>`` (OUT-3)."""
         if send.key is not None:
@@ -653,6 +661,7 @@ class Explorer(SweepModel):
             if arrived:
                 exact.extend(s for s in sends if s.text == arrived[0])
             elif (key not in derived_keys and not ambiguous and not any(s.chat in self.dead_chats for s in sends)
+                  and not self._arrived_unreached(key, done)
                   and not any(contentlib.send_key_of(k, r.part) == key for k, r in dead_out.items())):
                 raise ExploreViolation(("GUAR-1", "OUT-2", "OUT-12"),
                                        f"nothing sent under the key {key!r} reached the channel, though "
