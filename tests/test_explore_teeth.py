@@ -236,7 +236,7 @@ def test_explore_finds_hooks_run_once_per_concurrent_enqueue(pytester: pytest.Py
 
 @pytest.mark.spec("OUT-9", "TEST-4")
 def test_explore_finds_a_deferred_split_send_naming_its_part_key(pytester: pytest.Pytester) -> None:
-    story = _caught_and_replayed(pytester, PART_KEY_IN_ERRORS, "OUT-9", examples=40, seed=15)
+    story = _caught_and_replayed(pytester, PART_KEY_IN_ERRORS, "OUT-9", examples=40, seed=9)
     assert "skip=" in story, story  # a fault that lets part 1 pass and defers a later part
 
 

@@ -32,6 +32,7 @@ failures of at most ``inline_max_ms`` each) and a pass.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter, defaultdict
 from typing import Any
 
 from botmesh.core.bot import Bot
@@ -101,6 +102,8 @@ class SweepModel:
         whose ``ctx.event`` is none of them runs a replay."""
         self.started: dict[str, list[float]] = {}
         """Virtual times at which each message's handler started."""
+        self.finished_in: dict[str, Counter[int]] = defaultdict(Counter)
+        """Per message, how many executions ran to their end in each incarnation."""
         self.pending_due: dict[str, float] = {}
         """Messages :meth:`left_pending` journaled, and when their record became due."""
         self.unreadable: dict[str, float] = {}
