@@ -7,9 +7,12 @@ drawn — none, valid, expired, failing to download, a pre-feature token, tamper
 rest — and its plan drawn: replies under derived keys or adversarial explicit ones — ``"a"`` beside
 ``"a#2"``, a user's key that looks like a derived one, unicode, 448 characters — texts
 split by the channel, unjournaled content, concurrent enqueues of one key, a handler that
-raises), a redelivery, a channel fault (transient, rate limited, a chat that refuses for
-good), a death armed at the n-th crash point from now, a restart (with another
-``instance_id`` or the same), virtual time passing. The model is checked after every
+raises, a handler that takes five minutes on a replay), a record a dead process left
+pending (its plan drawn the same way; sometimes unreadable for five minutes), a
+redelivery, a channel fault (transient, rate limited, a chat that refuses for good), a
+death armed at the n-th crash point from now, a restart (with another ``instance_id`` or
+the same), virtual time passing, and — in one story in :data:`VOLUME_ODDS`, once — a
+burst of :data:`BURSTS` messages to a second bot whose retention is a minute (OPS-3). The model is checked after every
 step and at the end (:meth:`~.story.Explorer.finish`). Each example runs in a fresh
 temporary directory, with its own event loop; each step has a real-time budget
 (:data:`STEP_SECONDS`: a step that hangs is a failure).

@@ -23,7 +23,8 @@ its plan (the actions given with its first delivery) says — replies under deri
 explicit keys (a text longer than the channel's limit is split, OUT-12), replies whose
 content cannot be journaled (a NaN: bypasses the outbox, OUT-15), concurrent enqueues of
 one key (OUT-10), a raise on its first n executions (the record is done all the same,
-INB-6: a reprocessing after a crash runs it again, INB-9). A send the channel refuses
+INB-6: a reprocessing after a crash runs it again, INB-9), minutes of virtual time on a
+replay (:func:`slow`). A send the channel refuses
 for good ends in the outbox's DLQ; the handler catches
 :class:`~botmesh.core.errors.SendFailedError` and
 :class:`~botmesh.core.errors.SendDeferredError`, as a careful handler does, and the
@@ -55,7 +56,16 @@ What the model requires (each violation names its ids):
   exception, and such a message is processed all the same, never dead-lettered for its
   reference (MEDIA-2, MEDIA-3, MEDIA-5);
 * nothing reaches the channel that no handler sent, and no part twice unless an
-  ambiguity event named it (after every step).
+  ambiguity event named it — under ``resend`` once more per ambiguity, at most one per
+  death (after every step);
+* the sweep's timing and purging (:mod:`~botmesh_testkit.explore.sweeping`, verbs
+  :meth:`~Explorer.left_pending` — a record a dead process left pending, maybe
+  unreadable for a while — and :meth:`~Explorer.burst` — 600 messages to a second bot
+  whose retention is a minute — and the plan action :func:`slow`, a handler that takes
+  minutes on a replay): a due send retry reaches the channel within a bound of its
+  failure whatever a replayed handler does or another record's processing raises
+  (OUT-7, RETRY-1); a record left pending is replayed within a bound (INB-3); the burst
+  bot's journals keep no record past its retention and a minute (OPS-3).
 """
 
 from __future__ import annotations
