@@ -187,6 +187,10 @@ class Explorer(SweepModel):
     ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the channel's limit (None: no
     split)."""
 
+    violation_type = ExploreViolation
+    message_type = _Message
+    outbox_retries = OUTBOX_RETRIES
+
     def __init__(self, s: Any, *, text_limit: int | None = None, policy: str = "skip",
                  on_diverged: str = "send") -> None:
         self.s = s

@@ -77,6 +77,11 @@ class SweepModel:
     order: list[str]
     crashes: int
     dead_chats: set[str]
+    violation_type: Any
+    """The explorer's violation (``ExploreViolation(ids, message)``)."""
+    message_type: Any
+    """The explorer's record of a message (``_Message(chat, mid, actions)``)."""
+    outbox_retries: int
 
     def check(self) -> None:
         raise NotImplementedError
@@ -84,11 +89,9 @@ class SweepModel:
     async def _deliver(self, msg: Any) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def _violation(ids: tuple[str, ...], message: str) -> AssertionError:
-        from .story import ExploreViolation
-
-        return ExploreViolation(ids, message)
+    def _violation(self, ids: tuple[str, ...], message: str) -> AssertionError:
+        error: AssertionError = self.violation_type(ids, message)
+        return error
 
     def _init_sweep(self) -> None:
         self.calls: list[tuple[float, str, str, BaseException | None]] = []
@@ -182,10 +185,8 @@ class SweepModel:
         its record is ``pending``, due now, and the sweep must replay it (INB-3). With
         ``unreadable`` (virtual ms), every read and claim of that record raises for that
         long. Then the channel delivers ``mid`` (a duplicate of the journaled record)."""
-        from .story import _Message
-
         if mid not in self.messages:
-            msg = self.messages[mid] = _Message(chat, mid, tuple(actions))
+            msg = self.messages[mid] = self.message_type(chat, mid, tuple(actions))
             self.order.append(mid)
             if not self.world.crashed:
                 now = self.world.clock.now()
@@ -312,12 +313,10 @@ class SweepModel:
             after[key] = at
         if not late:
             return
-        from .story import OUTBOX_RETRIES
-
         bypassed = self._bypassed()
         for at, end, chat, text, error in reversed(late):
             if (chat in self.dead_chats or text in bypassed or self._died_within(at, end)
-                    or failures[(chat, text)] + len(self.deaths) > OUTBOX_RETRIES):
+                    or failures[(chat, text)] + len(self.deaths) > self.outbox_retries):
                 continue  # no retry is due: a definitive refusal, no outbox, a death, the retries spent
             allowed = RETRY_BOUND_MS + INLINE_HOLD_MS * (self._failed_calls(at, end, chat) - 1)
             if end - at <= allowed:
