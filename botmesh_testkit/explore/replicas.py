@@ -25,13 +25,7 @@ apart):
 * an execution of a message's handler never starts while another execution of it runs
   in a live process (LEASE-1, REPL-1): a record in process is leased to one process;
 * no live process has a completion refused as stale (``stale_leases`` stays 0): no
-  lease is taken from a live holder, whose heartbeats keep it (LEASE-1, LEASE-2, REPL-3)
-  — not checked in a story with a slow action (:func:`~.story.slow`, a handler sleeping
-  five virtual minutes): on the PostgreSQL/Redis servers such a story once had a
-  completion refused as stale that did not reproduce (the full certification of
-  2026-12-05, seed 20261202; its story is in issue 12's note), not understood yet — the
-  execution overlap above is checked there all the same, and the refusal shows that the
-  fencing held;
+  lease is taken from a live holder, whose heartbeats keep it (LEASE-1, LEASE-2, REPL-3);
 * the fencing token of a record never goes down from one look to the next (LEASE-2),
   looked at after every step of a story that booted a replica.
 """
@@ -203,9 +197,8 @@ class ReplicaVerbs:
                                    f"{self._name(first)}, both alive: {self._instances()}")
         if not self.replicas:
             return
-        slow = bool(getattr(self, "slow_spans", None))  # see the module docstring
         for process, bot in ((self.world.incarnations, self.world.bot), (-self.replicas, self.replica_bot)):
-            if slow or bot is None or not self._live(process) or bot.durability is None:
+            if bot is None or not self._live(process) or bot.durability is None:
                 continue
             stale = bot.durability.metrics().get("stale_leases", 0)
             if stale:
