@@ -78,3 +78,44 @@ def test_the_fault_suite_catches_a_client_that_replays_writes(pytester: pytest.P
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "resolved_by_key", "-rf", "--tb=line")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*AssertionError: OUT-14: mark_sent returned False for a write that landed*"])
+
+
+HANGS = '''
+import asyncio
+import os
+
+import pytest
+
+from botmesh_testkit.conformance.faults import ServerFaultConformance
+from botmesh_testkit.backends.redis import RedisHarness
+
+
+async def stuck_in_the_backend(event):
+    await event.wait()
+
+
+class TestHanging(ServerFaultConformance):
+    timeout_seconds = 3.0
+
+    @pytest.fixture
+    def botmesh_harness_factory(self):
+        return lambda workdir: RedisHarness(workdir, url=os.environ.get("BOTMESH_REDIS_URL", "redis://127.0.0.1:6379/0"))
+
+    def test_a_body_that_never_ends(self, botmesh_harness_factory, tmp_path):
+        async def body(t):
+            await stuck_in_the_backend(asyncio.Event())
+
+        self.run_faults(botmesh_harness_factory, tmp_path, body)
+'''
+
+
+def test_a_fault_test_that_hangs_fails_naming_where_it_waits(pytester: pytest.Pytester) -> None:
+    """A fault test that does not end within its timeout fails with the stage and the
+    frames every task waited in (a bare TimeoutError said nothing of where a CI run hung)."""
+    pytester.makepyfile(test_hanging=HANGS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "never_ends", "-rf", "--tb=short")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*the fault test did not end within 3s while running the test body*",
+        "*stuck_in_the_backend (test_hanging.py:*) <- body (test_hanging.py:*) <- main (faults.py:*)*",
+    ])

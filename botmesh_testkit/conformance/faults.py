@@ -109,18 +109,41 @@ class ServerFaultConformance:
         raise NotImplementedError(f"{type(self).__name__} must define a `botmesh_harness_factory` fixture")
 
     def run_faults(self, factory: HarnessFactory, workdir: Any, body: _Body) -> None:
+        """Run ``body`` on a fresh :class:`FaultTest`. When it does not end within
+        ``timeout_seconds``, the test fails with where every task of the event loop was
+        waiting at that moment (a hang is reported by its place, not only its length)."""
+        stage = ["opening the backends"]
+
         async def main() -> None:
             t = FaultTest(factory, str(workdir))
             try:
                 await t.open()
+                stage[0] = "running the test body"
                 await body(t)
             finally:
+                stage[0] = "closing the backends"
                 await t.close()
 
+        async def watched() -> None:
+            task = asyncio.ensure_future(main())
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_seconds)
+            if task in done:
+                return task.result()
+            where, during = _where_tasks_wait(exclude=asyncio.current_task()), stage[0]
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait({task}, timeout=10.0)
+            pytest.fail(
+                f"the fault test did not end within {self.timeout_seconds:g}s while {during}; "
+                f"where each task was waiting then:\n{where}",
+                pytrace=False,
+            )
+
         try:
-            asyncio.run(asyncio.wait_for(main(), self.timeout_seconds))
+            asyncio.run(watched())
         except _Skip as skip:
             pytest.skip(str(skip))
+
 
     @pytest.mark.spec("OUT-14", "BACK-7")
     def test_out14_a_sent_write_whose_reply_is_lost_is_resolved_by_key(
@@ -239,3 +262,24 @@ class ServerFaultConformance:
             assert stored is not None and stored.state == "done" and stored.token == 2, f"LEASE-2: stored {stored!r}"
 
         self.run_faults(botmesh_harness_factory, tmp_path, body)
+
+
+def _where_tasks_wait(exclude: Any) -> str:
+    """Each pending task of the running loop with the innermost frames it waits in."""
+    lines: list[str] = []
+    for task in asyncio.all_tasks():
+        if task is exclude or task.done():
+            continue
+        frames = []
+        awaited: Any = task.get_coro()
+        while awaited is not None and len(frames) < 40:  # down the chain of awaits
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                frames.append(frame)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        trail = " <- ".join(
+            f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+            for frame in reversed(frames[-6:])
+        )
+        lines.append(f"  {task.get_name()}: {trail or 'not started'}")
+    return "\n".join(sorted(lines)) or "  (no other task)"
