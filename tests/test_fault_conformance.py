@@ -116,6 +116,6 @@ def test_a_fault_test_that_hangs_fails_naming_where_it_waits(pytester: pytest.Py
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "never_ends", "-rf", "--tb=short")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "*the fault test did not end within 3s while running the test body*",
+        "*the fault test did not end within 3s while running the test body (before that: opening the backends *s)*",
         "*stuck_in_the_backend (test_hanging.py:*) <- body (test_hanging.py:*) <- main (faults.py:*)*",
     ])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar
@@ -113,15 +114,23 @@ class ServerFaultConformance:
         ``timeout_seconds``, the test fails with where every task of the event loop was
         waiting at that moment (a hang is reported by its place, not only its length)."""
         stage = ["opening the backends"]
+        spent: list[str] = []  # "opening the backends 1.2s", ... (what a hang's report gives)
+
+        def next_stage(name: str, since: float) -> float:
+            now = time.monotonic()
+            spent.append(f"{stage[0]} {now - since:.1f}s")
+            stage[0] = name
+            return now
 
         async def main() -> None:
             t = FaultTest(factory, str(workdir))
+            since = time.monotonic()
             try:
                 await t.open()
-                stage[0] = "running the test body"
+                since = next_stage("running the test body", since)
                 await body(t)
             finally:
-                stage[0] = "closing the backends"
+                next_stage("closing the backends", since)
                 await t.close()
 
         async def watched() -> None:
@@ -129,13 +138,13 @@ class ServerFaultConformance:
             done, _ = await asyncio.wait({task}, timeout=self.timeout_seconds)
             if task in done:
                 return task.result()
-            where, during = _where_tasks_wait(exclude=asyncio.current_task()), stage[0]
+            where, during, before = _where_tasks_wait(exclude=asyncio.current_task()), stage[0], list(spent)
             task.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.wait({task}, timeout=10.0)
             pytest.fail(
-                f"the fault test did not end within {self.timeout_seconds:g}s while {during}; "
-                f"where each task was waiting then:\n{where}",
+                f"the fault test did not end within {self.timeout_seconds:g}s while {during} "
+                f"(before that: {', '.join(before) or 'nothing'}); where each task was waiting then:\n{where}",
                 pytrace=False,
             )
 
