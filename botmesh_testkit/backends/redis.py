@@ -119,11 +119,12 @@ class RedisHarness(BackendHarness):
     async def delete_keys(self) -> int:
         """Delete every key of this harness's prefix; the number deleted."""
         from botmesh.redis_store import key_pattern
+        from botmesh.redis_store.kv import driver_options
         from redis.asyncio import Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
-        client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), retry_on_error=[])
+        client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), retry_on_error=[], **driver_options())
         deleted = 0
         try:
             batch: list[bytes] = []
