@@ -119,7 +119,7 @@ class RedisHarness(BackendHarness):
     async def delete_keys(self) -> int:
         """Delete every key of this harness's prefix; the number deleted."""
         from botmesh.redis_store import key_pattern
-        from botmesh.redis_store.kv import driver_options
+        from botmesh.redis_store._driver import driver_options
         from redis.asyncio import Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff

@@ -279,7 +279,7 @@ def _where_tasks_wait(exclude: Any) -> str:
     for task in asyncio.all_tasks():
         if task is exclude or task.done():
             continue
-        frames = []
+        frames: list[Any] = []
         awaited: Any = task.get_coro()
         while awaited is not None and len(frames) < 40:  # down the chain of awaits
             frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)

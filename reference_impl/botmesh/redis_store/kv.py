@@ -111,7 +111,6 @@ refuses the claim on a server that cannot keep it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import math
@@ -128,6 +127,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from ._driver import driver_options
 from ._pipeline import AutoPipeline
 
 __all__ = [
@@ -322,26 +322,8 @@ def client_retries(client: RedisClient) -> int:
 
 
 def _client_options() -> dict[str, Any]:
-    return {
-        "retry": _no_retry(),
-        "socket_timeout": DEFAULT_SOCKET_TIMEOUT_S,
-        "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT_S,
-        **driver_options(),
-    }
-
-
-@functools.lru_cache(maxsize=1)
-def driver_options() -> dict[str, Any]:
-    """The client metadata redis-py sends with ``CLIENT SETINFO`` (its name and version),
-    made once per process and shared by every client: left to redis-py, each new client
-    looks the version up in the installed package metadata again (~0.5 ms of parsing),
-    which a crash cell paid for every client it opened. The same values are sent. Empty
-    (redis-py's own default) for a redis-py without ``driver_info``."""
-    try:
-        from redis.driver_info import DriverInfo
-    except ImportError:
-        return {}
-    return {"driver_info": DriverInfo()}
+    return {"retry": _no_retry(), "socket_timeout": DEFAULT_SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT_S, **driver_options()}
 
 
 def _client_from_url(url: Any) -> Redis:
