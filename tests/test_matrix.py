@@ -259,3 +259,72 @@ def test_cli_run_goes_through_pytest_and_writes_junit(tmp_path: Path) -> None:
                          text=True, timeout=300)
     assert one.returncode == 0, one.stdout + one.stderr
     assert "memory: matrix 1 passed, 0 failed" in one.stdout
+
+
+SERVER_URLS = {
+    "postgres": ("BOTMESH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"),
+    "redis": ("BOTMESH_REDIS_URL", "redis://127.0.0.1:6379/0"),
+}
+
+
+@spec("TEST-4")
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+async def test_a_server_backend_passes_the_same_points_in_every_dry_run(
+    backend: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a server, the first sweep pass and the first message ran at once and the
+    server's replies ordered their points (``inbox.purge`` before or after
+    ``outbox.journal``): one seed drew other cells from run to run (four dry runs of
+    three-sends gave three histories). The crash world runs a server backend's calls one
+    at a time (``World.serial``): the same history in every run."""
+    from botmesh_testkit.matrix import oracle
+
+    env, url = SERVER_URLS[backend]
+    monkeypatch.setenv(env, __import__("os").environ.get(env, url))
+    for workload in ("three-sends", "raises"):
+        histories = set()
+        for run in range(4):
+            workdir = tmp_path / f"{workload}-{run}"
+            workdir.mkdir()
+            truth = await oracle(backend, workload, 1, str(workdir))
+            histories.add(tuple(truth.history))
+        assert len(histories) == 1, f"TEST-4: {backend} {workload}: {len(histories)} different dry runs: {histories}"
+
+
+@spec("TEST-1", "TEST-4")
+async def test_serial_wrappers_run_one_call_at_a_time() -> None:
+    """Two crashable wrappers given one lock never have two calls in the inner backends
+    at once; without it the same two calls overlap."""
+    from botmesh.core.memory import MemoryDurability
+    from botmesh_testkit.crash import crashable
+
+    inside = 0
+    most = 0
+    release = asyncio.Event()
+
+    class Slow(MemoryDurability):  # type: ignore[misc]
+        async def inbox_list(self, *args: Any, **kwargs: Any) -> Any:
+            nonlocal inside, most
+            inside += 1
+            most = max(most, inside)
+            try:
+                await release.wait()
+                return await super().inbox_list(*args, **kwargs)
+            finally:
+                inside -= 1
+
+    async def overlap(lock: asyncio.Lock | None) -> int:
+        nonlocal most
+        most = 0
+        release.clear()
+        inner = Slow()
+        a, b = crashable(inner, serial=lock), crashable(inner, serial=lock)
+        calls = [asyncio.ensure_future(w.inbox_list("s")) for w in (a, b)]
+        for _ in range(5):
+            await asyncio.sleep(0)  # both calls get as far as they can
+        release.set()
+        await asyncio.gather(*calls)
+        return most
+
+    assert await overlap(None) == 2
+    assert await overlap(asyncio.Lock()) == 1

@@ -5,10 +5,19 @@ and the kill loops' progress markers both subclass :class:`InterceptedBackend`.
 Each write operation of the interface (a crash point of :mod:`.points`) is wrapped as
 ``before_write`` -> the inner call -> ``after_write`` (or ``write_failed`` when it
 raised); each read operation and the lifecycle calls pass ``before_read`` first.
+
+``serial``: an ``asyncio.Lock`` every operation (hooks and inner call) runs under, one
+at a time, shared by every wrapper given the same lock. On a backend on a server the
+order in which concurrent calls (a sweep pass beside a message) complete is the
+network's, so the points a run passes came in another order from run to run; one call
+at a time, that order is the program's: a crash world on a server backend
+(:class:`~botmesh_testkit.crash.world.World`) draws and replays the same cells for the
+same seed. A call never waits inside another one here, so the lock cannot deadlock.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from botmesh.core.backend import DurabilityBackend
@@ -19,10 +28,11 @@ from .points import READS, WRITES
 class InterceptedBackend(DurabilityBackend):
     """Passes every operation to ``inner``; subclasses override the hooks."""
 
-    def __init__(self, inner: DurabilityBackend, name: str | None = None) -> None:
+    def __init__(self, inner: DurabilityBackend, name: str | None = None, *, serial: asyncio.Lock | None = None) -> None:
         self.inner = inner
         self.name = name or inner.name
         self.capabilities = inner.capabilities
+        self.serial = serial
 
     def before_write(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called before write ``op``; what it returns is handed to the other hooks."""
@@ -38,28 +48,44 @@ class InterceptedBackend(DurabilityBackend):
         """Called before every read operation, ``start()`` and ``stop()``."""
 
     async def start(self) -> None:
-        self.before_read()
-        await self.inner.start()
+        async with self.serial or _NO_LOCK:
+            self.before_read()
+            await self.inner.start()
 
     async def stop(self) -> None:
-        self.before_read()
-        await self.inner.stop()
+        async with self.serial or _NO_LOCK:
+            self.before_read()
+            await self.inner.stop()
 
     async def durability_settings(self) -> dict[str, str] | None:
         # Not an operation of the journals (no crash point): what the inner backend reports.
         return await self.inner.durability_settings()
 
 
+class _NoLock:
+    """``async with`` that does nothing: a wrapper without ``serial``."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
+
+
 def _write(op: str, method: str) -> Any:
     async def call(self: InterceptedBackend, *args: Any, **kwargs: Any) -> Any:
-        token = self.before_write(op, args, kwargs)
-        try:
-            result = await getattr(self.inner, method)(*args, **kwargs)
-        except Exception as exc:
-            self.write_failed(op, token, exc)
-            raise
-        self.after_write(op, token, args, kwargs, result)
-        return result
+        async with self.serial or _NO_LOCK:
+            token = self.before_write(op, args, kwargs)
+            try:
+                result = await getattr(self.inner, method)(*args, **kwargs)
+            except Exception as exc:
+                self.write_failed(op, token, exc)
+                raise
+            self.after_write(op, token, args, kwargs, result)
+            return result
 
     call.__name__ = method
     call.__doc__ = f"Write operation {op!r} around ``inner.{method}``."
@@ -68,8 +94,9 @@ def _write(op: str, method: str) -> Any:
 
 def _read(method: str) -> Any:
     async def call(self: InterceptedBackend, *args: Any, **kwargs: Any) -> Any:
-        self.before_read()
-        return await getattr(self.inner, method)(*args, **kwargs)
+        async with self.serial or _NO_LOCK:
+            self.before_read()
+            return await getattr(self.inner, method)(*args, **kwargs)
 
     call.__name__ = method
     return call

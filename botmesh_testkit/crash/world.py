@@ -26,6 +26,7 @@ from botmesh.core.store import Store
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
 from ..backends.base import BackendHarness
+from .intercept import InterceptedBackend
 from .provider import ChannelProvider, CrashableProvider
 from .wrapper import CrashableBackend, crashable
 
@@ -43,6 +44,13 @@ class World:
     code would after a real restart. ``durability`` holds extra options of the
     ``durability=`` setting. ``events`` records every ``error``, ``durability:dead`` and
     ``durability:ambiguous`` event of every incarnation.
+
+    ``serial``: every incarnation's backend calls run one at a time under one lock
+    (:mod:`.intercept`), so that the order of the points a run passes is the program's,
+    not the network's. Default: when the harness names a server
+    (``harness.server_address()``), where concurrent calls (a sweep pass beside a
+    message) otherwise complete in the server's order and a seed would draw other cells
+    from run to run; an embedded backend's order is already the program's.
     """
 
     def __init__(
@@ -55,8 +63,12 @@ class World:
         text_limit: int | None = None,
         seed: int = 0,
         clock: VirtualClock | None = None,
+        serial: bool | None = None,
     ) -> None:
         self.harness = harness
+        if serial is None:
+            serial = harness.server_address() is not None
+        self.serial: asyncio.Lock | None = asyncio.Lock() if serial else None
         self.setup = setup
         self.instance_id = instance_id
         self.options = dict(durability or {})
@@ -93,7 +105,8 @@ class World:
         death and before :meth:`restart`."""
         assert self.store is not None, "fork() a world that was started"
         clone = World(harness, setup=self.setup, instance_id=self.instance_id, durability=self.options,
-                      clock=VirtualClock(self.clock.now(), settle_timeout_s=self.clock.settle_timeout_s))
+                      clock=VirtualClock(self.clock.now(), settle_timeout_s=self.clock.settle_timeout_s),
+                      serial=self.serial is not None)
         clone.channel = self.channel.copy()
         clone.rng.setstate(self.rng.getstate())
         clone.events = list(self.events)
@@ -110,11 +123,13 @@ class World:
         self.store = store
         provider: Provider
         if crash:
-            self.crashable = crashable(backend)
+            self.crashable = crashable(backend, serial=self.serial)
             backend = self.crashable
             provider = CrashableProvider(self.crashable, self.channel)
         else:
             self.crashable = None
+            if self.serial is not None:
+                backend = InterceptedBackend(backend, serial=self.serial)  # type: ignore[abstract]
             provider = ChannelProvider(self.channel)
         options = {"backend": backend, "instance_id": self.instance_id, **self.options, **durability}
         bot = Bot(provider, store, options, clock=self.clock, rng=random.Random(self.rng.random()))

@@ -14,6 +14,7 @@ the same store with the same ``instance_id``, and check the outcome.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +40,8 @@ class CrashableBackend(InterceptedBackend):
     points entered, in order; ``raised`` holds the ``(point, occurrence)`` whose call
     raised (their "after" side was never reached)."""
 
-    def __init__(self, inner: DurabilityBackend) -> None:
-        super().__init__(inner, name=f"crashable({inner.name})")
+    def __init__(self, inner: DurabilityBackend, *, serial: asyncio.Lock | None = None) -> None:
+        super().__init__(inner, name=f"crashable({inner.name})", serial=serial)
         self.crashed = False
         self.crash_point: str | None = None
         self.history: list[str] = []
@@ -147,8 +148,9 @@ class CrashableBackend(InterceptedBackend):
         self.check_alive()
 
 
-def crashable(backend: DurabilityBackend) -> CrashableBackend:
-    """Wrap ``backend`` so that it can die at any of its write operations (TEST-1)."""
+def crashable(backend: DurabilityBackend, *, serial: asyncio.Lock | None = None) -> CrashableBackend:
+    """Wrap ``backend`` so that it can die at any of its write operations (TEST-1).
+    ``serial``: run its calls one at a time under that lock (see :mod:`.intercept`)."""
     if not isinstance(backend, DurabilityBackend):
         raise TypeError(f"crashable() needs a DurabilityBackend, got {type(backend).__name__}")
-    return CrashableBackend(backend)  # type: ignore[abstract]  # operations installed by setattr
+    return CrashableBackend(backend, serial=serial)  # type: ignore[abstract]  # operations installed by setattr

@@ -640,7 +640,9 @@ class FileKv(DurableKv):
                         pid=holder,
                     )
                 if holder is not None and holder != me:
-                    logger.warning("%s: taking over the lock left by process %d, which is no longer running", self._lock_path, holder)
+                    logger.warning(
+                        "%s: taking over the lock left by process %d, which is no longer running", self._lock_path, holder
+                    )
                 self._io.lock_write_pid(fd, me, fsync=self._fsync)
             except BaseException:
                 self._close_quietly(fd)
