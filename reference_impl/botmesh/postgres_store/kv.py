@@ -399,7 +399,9 @@ class PostgresKv(DurableKv):
                     configure=track,
                 )
                 try:
-                    await pool.open()
+                    # its first connection ready before the first call: asked while it was
+                    # still connecting, the pool grew by a second one for that call
+                    await pool.open(wait=True, timeout=self._timeout)
                 except _DRIVER_ERRORS as exc:
                     raise self._unavailable("open", exc) from exc
             try:
