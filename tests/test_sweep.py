@@ -299,3 +299,32 @@ async def test_one_records_failure_is_an_error_event_and_the_pass_goes_on(harnes
     finally:
         await bot.abandon()
         await harness.close()
+
+
+@spec("ENABLE-3")
+async def test_stop_ends_a_sweep_whose_cancellation_a_library_swallowed() -> None:
+    """ENABLE-3: ``bot.stop()`` ends even when the sweep's cancellation is lost inside a
+    backend call (Python 3.11's ``asyncio.wait_for`` drops it when its inner future
+    completes at the same moment: psycopg-pool's wait for a connection; CI's fault test
+    hung in ``stop()`` for a minute that way). Here the backend's due query swallows
+    it; before the fix the sweep went on looping and ``stop()`` never returned."""
+    entered, swallowed = asyncio.Event(), asyncio.Event()
+
+    class Swallowing(MemoryDurability):  # type: ignore[misc]
+        async def inbox_due(self, *args: Any, **kwargs: Any) -> list[str]:
+            if not swallowed.is_set():
+                entered.set()
+                try:
+                    await asyncio.Event().wait()  # until cancelled
+                except asyncio.CancelledError:
+                    swallowed.set()  # and carry on, as the library did
+            return await super().inbox_due(*args, **kwargs)
+
+    bot = Bot(MockProvider(), MemoryStore(), durability={"backend": Swallowing(), "poll_ms": 50})
+    await bot.start()
+    await entered.wait()
+    stopping = asyncio.ensure_future(bot.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=30.0)  # a bound on the failure, not a timing
+    assert swallowed.is_set(), "the backend never saw the cancellation"
+    assert stopping in done, "ENABLE-3: bot.stop() did not end: the sweep loop outlived its lost cancellation"
+    stopping.result()

@@ -58,6 +58,10 @@ from .sweep import Purger, Replays, default_instance_id
 
 log = logging.getLogger("botmesh.durability")
 
+CANCEL_AGAIN_S = 0.5
+"""How often ``stop()`` cancels again a task of the runtime that a first cancellation
+did not end (see ``DurabilityRuntime._cancel_tasks``)."""
+
 DERIVED_SHAPED_MAX = 10_000
 """Explicit keys shaped like derived ones (``…:<n>``) a runtime remembers; past that every
 send looks its key up before its hooks run (OUT-10)."""
@@ -115,6 +119,7 @@ class DurabilityRuntime(Generic[CtxT]):
         self._recovered = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweep_task: asyncio.Task[None] | None = None
+        self._sweep_stopped = False
         self._local_inbound: set[str] = set()
         self._fresh_inbound: set[str] = set()
         """Inbound records journaled by :meth:`admit` in this process and running their
@@ -134,6 +139,7 @@ class DurabilityRuntime(Generic[CtxT]):
         self._recovered = False
         self._replays.reset()
         await self.backend.start()
+        self._sweep_stopped = False
         self._sweep_task = asyncio.ensure_future(self._sweep_loop())
 
     async def stop(self) -> None:
@@ -146,13 +152,22 @@ class DurabilityRuntime(Generic[CtxT]):
         await self._cancel_tasks()
 
     async def _cancel_tasks(self) -> None:
+        """Cancel every task of this runtime and wait for each to end. A cancellation a
+        library swallowed (Python 3.11's ``asyncio.wait_for`` loses it when its inner
+        future completes at the same moment: psycopg-pool's wait for a connection is
+        one) would leave the sweep loop running for ever and this wait with it: the
+        cancelled sweep loop ends at its next turn anyway, and whatever still runs is
+        cancelled again every :data:`CANCEL_AGAIN_S` seconds."""
         tasks = list(self._tasks)
         if self._sweep_task is not None:
             tasks.append(self._sweep_task)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks)  # never raises for them; a cancellation of ours still does
+        self._sweep_stopped = True
+        pending = set(tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            # never raises for them; a cancellation of ours still does
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
         for t in tasks:
             if not t.cancelled():
                 t.exception()  # retrieved: a dead incarnation's errors are not reported again
@@ -331,7 +346,7 @@ class DurabilityRuntime(Generic[CtxT]):
 
     # -- the sweep (its machinery: sweep.py) ---------------------------------------------
     async def _sweep_loop(self) -> None:
-        while True:
+        while not self._sweep_stopped:
             with self.clock.busy():
                 try:
                     await self.sweep()
