@@ -265,3 +265,41 @@ def test_a_shared_first_beat_timer_is_moved_earlier_for_a_shorter_lease() -> Non
         assert seen == ["short", "short"], f"only the short lease may have beaten, twice: {seen}"
 
     run(body())
+
+
+@spec("OUT-15")
+@pytest.mark.parametrize("hooked", [True, False], ids=["after-hook", "no-hook"])
+def test_a_durable_send_logs_and_hooks_what_a_plain_send_does(hooked: bool) -> None:
+    """The engine hands the bot the outbox's journal form of what it sent (bytes as
+    ``{"$bytes": base64}``): the ``after("send")`` hooks still get the content decoded
+    (bytes), and the message log holds what the bot without durability logs."""
+
+    async def one(durability: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        provider = MockProvider()
+        bot = Bot(provider, MemoryStore(), durability)
+        hooked_content: list[dict[str, Any]] = []
+        if hooked:
+            @bot.after("send")
+            def seen(chat_id: str, content: dict[str, Any], message_id: str) -> None:
+                hooked_content.append(content)
+
+        @bot.otherwise
+        async def reply(ctx: Any) -> None:
+            await ctx.reply({"text": "pic", "blob": b"\x00\xffpng", "meta": {"parts": [b"a", 1.5]}})
+
+        await bot.start()
+        await provider.receive("c1", "hi", id="m1")
+        await bot.stop()
+        log = [{k: v for k, v in m.items() if k not in ("at", "key")} for m in await bot.messages("c1")]
+        return hooked_content, log
+
+    async def body() -> None:
+        durable_hooked, durable_log = await one({})
+        plain_hooked, plain_log = await one(None)
+        sent = {"text": "pic", "blob": b"\x00\xffpng", "meta": {"parts": [b"a", 1.5]}}
+        assert durable_hooked == plain_hooked == ([sent] if hooked else [])
+        assert durable_log == plain_log, f"durable log {durable_log} != plain log {plain_log}"
+        out = [m for m in durable_log if m["direction"] == "out"]
+        assert out and out[0]["content"]["blob"] == {"$bytes": "AP9wbmc="}, out
+
+    run(body())
