@@ -310,3 +310,25 @@ def test_check_json_object_copies_as_a_json_round_trip_does() -> None:
         assert again == Versioned({"n": [1], "d": {"x": 1}}, 1), f"a read's value must be a copy, got {again!r}"
 
     run(body())
+
+
+@spec("BACK-7")
+def test_a_record_is_stored_as_its_fields_in_order_then_its_extra_fields() -> None:
+    """``to_json`` (every journal write): the declared fields in their order, then the
+    unknown fields a newer version wrote (``extra``) — whether the record was made,
+    read back or copied — and never an attribute set on the object that is no field."""
+    from botmesh.core.records import _field_names
+
+    made = sending_outbox()
+    made.extra = {"newer": {"n": 1}}
+    names = list(_field_names(OutboxRecord))
+    read = OutboxRecord.from_json(made.to_json())
+    for rec in (made, read, read.copy(state="sent"), OutboxRecord.from_json(sending_outbox().to_json())):
+        value = rec.to_json()
+        expected = names + (["newer"] if rec.extra else [])
+        assert list(value) == expected, f"{rec!r}: stored keys {list(value)}, expected {expected}"
+    odd = leased_inbox()
+    odd.not_a_field = 1  # type: ignore[attr-defined]
+    value = odd.to_json()
+    assert "not_a_field" not in value and list(value) == list(_field_names(InboxRecord)), list(value)
+    assert InboxRecord.from_json(value) == leased_inbox()

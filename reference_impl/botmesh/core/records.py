@@ -43,9 +43,17 @@ class _Record:
         return found
 
     def to_json(self) -> dict[str, Any]:
-        attrs = self.__dict__
-        data = {name: attrs[name] for name in self._fields()[0]}
-        data.update(self.extra)
+        fields = self._fields()[0]
+        data = self.__dict__.copy()
+        extra = data.pop("extra", None)
+        if len(data) != len(fields) or extra is None:  # an attribute added or removed: by name
+            attrs = self.__dict__
+            data = {name: attrs[name] for name in fields}
+            extra = self.extra
+        # else: the fields themselves, in their order (``__init__``, ``copy`` and
+        # ``from_json`` keep it), without picking them one by one
+        if extra:
+            data.update(extra)
         return data
 
     @classmethod
