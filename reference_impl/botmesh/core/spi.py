@@ -202,17 +202,16 @@ cycle, seen here as endless nesting)."""
 def _copy_dict(value: dict[str, Any], depth: int) -> dict[str, Any]:
     if depth > _PLAIN_DEPTH:
         raise _NotPlain
-    out: dict[str, Any] = {}
+    out = value.copy()  # the scalars as they are; the containers replaced below
     for k, v in value.items():
         if type(k) is not str:
             raise _NotPlain
         t = type(v)
-        if t is str or t is int or v is None or t is bool:
-            out[k] = v
-        elif t is float:
+        if t is str or v is None or t is int or t is bool:
+            continue
+        if t is float:
             if v - v != 0.0:  # NaN or infinity
                 raise _NotPlain
-            out[k] = v
         elif t is dict:
             out[k] = _copy_dict(v, depth + 1)
         elif t is list:
