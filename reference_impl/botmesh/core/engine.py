@@ -536,8 +536,8 @@ class DurabilityRuntime(Generic[CtxT]):
             return _Sent(str(message_id), settled=False)
         return _Sent(str(message_id))
 
-    async def _after_send(self, rec: OutboxRecord, message_id: str) -> None:
-        await self.bot.after_send(rec.chat_id, rec.content, message_id, rec.key, journaled=True)
+    def _after_send(self, rec: OutboxRecord, message_id: str) -> Awaitable[None]:
+        return self.bot.after_send(rec.chat_id, rec.content, message_id, rec.key, journaled=True)
 
     # -- sends ----------------------------------------------------------------------------
     def _key_for(self, ctx: HandlerContext | None, explicit: str | None) -> tuple[str, str]:

@@ -141,17 +141,6 @@ class KvDurability(DurabilityBackend):
             self._forget(scope, space, key)
             raise
 
-    async def _create(
-        self, scope: str, space: str, key: str, record: InboxRecord | OutboxRecord, indexes: tuple[float | None, float | None]
-    ) -> bool:
-        value = record.to_json()
-        try:
-            await self._put(scope, space, key, value, 0, *indexes)
-        except VersionConflict:
-            return False
-        self._know(scope, space, key, 1, record.state, value)
-        return True
-
     async def _transition(
         self, scope: str, space: str, key: str, cls: type[RecordT], change: Callable[[RecordT], RecordT | None]
     ) -> RecordT | None:
@@ -225,7 +214,13 @@ class KvDurability(DurabilityBackend):
     ) -> tuple[RecordT, bool]:
         """Create unless the key exists; then return the stored record (INB-4, OUT-2)."""
         for _ in range(2):  # a second round only when the record vanished in between
-            if await self._create(scope, space, key, record, indexes):
+            value = record.to_json()
+            try:
+                await self._put(scope, space, key, value, 0, *indexes)
+            except VersionConflict:
+                pass
+            else:
+                self._know(scope, space, key, 1, record.state, value)
                 return record, True
             found = await self.kv.get(scope, space, key)
             if found is not None:
