@@ -79,9 +79,10 @@ class _Record:
         """A new record with ``changes`` (what ``dataclasses.replace`` does, nested
         values shared alike, without its per-call cost)."""
         names = self._fields()[1]
-        for name in changes:
-            if name not in names and name != "extra":
-                raise TypeError(f"{type(self).__name__} has no field {name!r}")
+        if not names.issuperset(changes):
+            for name in changes:
+                if name not in names and name != "extra":
+                    raise TypeError(f"{type(self).__name__} has no field {name!r}")
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
