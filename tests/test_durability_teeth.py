@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import inspect
-import json
 import textwrap
 from typing import Any
 
@@ -47,8 +46,8 @@ pytest_plugins = ["pytester"]
 def patch_record(kv: MemoryKv, scope: str, space: str, key: str, **changes: Any) -> None:
     """Overwrite fields of a stored record behind KvDurability's back (index entries
     kept): how the bugs below are planted."""
-    value, version, due, expires = kv._space(scope, space)[key]  # the value as JSON text
-    kv._space(scope, space)[key] = (json.dumps({**json.loads(value), **changes}), version + 1, due, expires)
+    value, version, due, expires = kv._space(scope, space)[key]
+    kv._space(scope, space)[key] = ({**value, **changes}, version + 1, due, expires)
 
 
 class NeverExpiringLease(KvDurability):

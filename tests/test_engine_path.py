@@ -4,7 +4,8 @@ looking its key up first), that a send journaled before under a reply's key is s
 answered from the outbox — by the journal write's conflict when the lookup was skipped,
 with the ``before("send")`` hooks not run again when this process used that key
 (OUT-10: explore found it when a handler enqueued under its next reply's derived key)
-— and that heartbeats still run on the real clock, whose first beat is now a timer.
+— and that heartbeats still run on the real clock, whose first beat is now a timer
+(one per runtime, shared by its blocks: ``heartbeat.FirstBeats``).
 
 Async code runs through ``asyncio.run`` inside plain tests. Nothing here times anything:
 the real-clock test waits for events, with a long timeout only so that a broken
@@ -20,6 +21,8 @@ from typing import Any, TypeVar
 import pytest
 from botmesh.core import Bot, MemoryStore
 from botmesh.core import content as contentlib
+from botmesh.core.clock import RealClock
+from botmesh.core.heartbeat import FirstBeats, Heartbeat
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.memory import MemoryKv
 from botmesh.core.records import OutboxRecord
@@ -230,5 +233,73 @@ def test_heartbeats_renew_leases_on_the_real_clock() -> None:
         assert metrics["stale_leases"] == 0, metrics
         assert inbound is not None and (inbound.state, inbound.token) == ("done", 1)
         assert outbound is not None and (outbound.state, outbound.token) == ("sent", 1)
+
+    run(body())
+
+
+@spec("LEASE-1")
+def test_a_shared_first_beat_timer_is_moved_earlier_for_a_shorter_lease() -> None:
+    """``FirstBeats`` arms one timer for the earliest first beat of a runtime's blocks: a
+    block with a short lease entered inside one with a long lease (first beat due in 20
+    minutes) still gets its first beat a third of its own lease in, and the long block
+    none meanwhile. Beats after the first one are the block's own task."""
+
+    async def body() -> None:
+        first_beats = FirstBeats()
+        seen: list[str] = []
+        short_beats = asyncio.Event()
+
+        async def beat_long(until: float) -> bool:
+            seen.append("long")
+            return True
+
+        async def beat_short(until: float) -> bool:
+            seen.append("short")
+            if seen.count("short") == 2:
+                short_beats.set()
+            return True
+
+        async with Heartbeat(RealClock(), beat_long, 3_600_000.0, first_beats):
+            async with Heartbeat(RealClock(), beat_short, 30.0, first_beats):
+                await asyncio.wait_for(short_beats.wait(), GUARD_S)
+        assert seen == ["short", "short"], f"only the short lease may have beaten, twice: {seen}"
+
+    run(body())
+
+
+@spec("OUT-15")
+@pytest.mark.parametrize("hooked", [True, False], ids=["after-hook", "no-hook"])
+def test_a_durable_send_logs_and_hooks_what_a_plain_send_does(hooked: bool) -> None:
+    """The engine hands the bot the outbox's journal form of what it sent (bytes as
+    ``{"$bytes": base64}``): the ``after("send")`` hooks still get the content decoded
+    (bytes), and the message log holds what the bot without durability logs."""
+
+    async def one(durability: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        provider = MockProvider()
+        bot = Bot(provider, MemoryStore(), durability)
+        hooked_content: list[dict[str, Any]] = []
+        if hooked:
+            @bot.after("send")
+            def seen(chat_id: str, content: dict[str, Any], message_id: str) -> None:
+                hooked_content.append(content)
+
+        @bot.otherwise
+        async def reply(ctx: Any) -> None:
+            await ctx.reply({"text": "pic", "blob": b"\x00\xffpng", "meta": {"parts": [b"a", 1.5]}})
+
+        await bot.start()
+        await provider.receive("c1", "hi", id="m1")
+        await bot.stop()
+        log = [{k: v for k, v in m.items() if k not in ("at", "key")} for m in await bot.messages("c1")]
+        return hooked_content, log
+
+    async def body() -> None:
+        durable_hooked, durable_log = await one({})
+        plain_hooked, plain_log = await one(None)
+        sent = {"text": "pic", "blob": b"\x00\xffpng", "meta": {"parts": [b"a", 1.5]}}
+        assert durable_hooked == plain_hooked == ([sent] if hooked else [])
+        assert durable_log == plain_log, f"durable log {durable_log} != plain log {plain_log}"
+        out = [m for m in durable_log if m["direction"] == "out"]
+        assert out and out[0]["content"]["blob"] == {"$bytes": "AP9wbmc="}, out
 
     run(body())

@@ -241,30 +241,94 @@ def test_a_record_deleted_behind_the_known_version_is_not_written_back() -> None
 
 
 @spec("BACK-7")
-def test_a_text_handed_to_the_kv_is_used_for_that_very_dict_only_while_it_is_written() -> None:
-    """``spi.writing`` (how ``KvDurability`` spares the kv a second encoding): inside the
-    block, ``encode_json_object`` of that dict returns the given text; an equal but other
-    dict is encoded itself; after the block a mutation of the dict is encoded, so a value
-    stored later is never an old text."""
-    from botmesh.core.spi import encode_json_object, writing
+def test_check_json_object_copies_as_a_json_round_trip_does() -> None:
+    """``spi.check_json_object`` (how every kv and the known versions copy a value):
+    its structural copy of plain values gives exactly what ``json.loads`` of the encoded
+    text gives, shares no container with its argument, and everything else (tuples,
+    subclasses, non-``str`` keys, NaN, cycles, deep nesting) converts or fails as JSON
+    does."""
+    import enum
+    import json
+    import math
+    from collections import OrderedDict
 
-    value: dict[str, Any] = {"a": [1]}
-    other: dict[str, Any] = {"a": [1]}
-    with writing(value, '{"a":[1]}'):
-        assert encode_json_object(value) == '{"a":[1]}'
-        assert encode_json_object(other) == '{"a":[1]}'
-        other["a"].append(2)
-        assert encode_json_object(other) == '{"a":[1,2]}', "another dict must be encoded, not given the text"
-    value["a"].append(3)
-    assert encode_json_object(value) == '{"a":[1,3]}', "after the block the dict must be encoded afresh"
+    from botmesh.core.spi import check_json_object, encode_json_object
+
+    def round_trip(value: Any) -> Any:
+        return json.loads(encode_json_object(value))
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Text(str):
+        pass
+
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(150):  # deeper than the structural copy goes: JSON's round trip
+        inner["x"] = {}
+        inner = inner["x"]
+    plain: dict[str, Any] = {
+        "s": "caf\u00e9 \ud83d", "i": -(2**70), "f": -0.0, "big": 1e300, "b": True, "n": None,
+        "l": [1, [2.5, {"k": []}], "x"], "d": {"e": {}}, "deep": deep,
+    }
+    others: list[dict[Any, Any]] = [
+        {"t": (1, 2)}, {1: "int key", None: 0, 2.5: "float key", False: "bool"}, {"e": Level.HIGH},
+        {"s": Text("sub")}, OrderedDict(a=1), {"l": [(1,), Text("x")]},
+    ]
+    for value in [plain, *others]:
+        copied = check_json_object(value)
+        assert copied == round_trip(value), f"check_json_object({value!r}) = {copied!r}, not JSON's round trip"
+        assert json.dumps(copied) == json.dumps(round_trip(value)), f"{value!r}: types differ from JSON's"
+        assert type(copied) is dict
+    copied = check_json_object(plain)
+    copied["l"][1][1]["k"].append(1)
+    copied["d"]["e"]["new"] = 1
+    assert plain["l"][1][1]["k"] == [] and plain["d"]["e"] == {}, "the copy shares a container with its argument"
+    assert type(copied["l"][1][0]) is float and math.copysign(1.0, copied["f"]) == -1.0
+
+    cycle: dict[str, Any] = {}
+    cycle["self"] = cycle
+    for bad, error in [({"x": math.nan}, ValueError), ({"x": [math.inf]}, ValueError), (cycle, ValueError),
+                       ({"x": {1, 2}}, TypeError), ({"x": b"bytes"}, TypeError), ([1], TypeError), ("{}", TypeError)]:
+        with pytest.raises(error):
+            check_json_object(bad)
+        with pytest.raises(error):
+            round_trip(bad)
 
     async def body() -> None:
         kv = MemoryKv()
-        given: dict[str, Any] = {"n": [1]}
-        with writing(given, '{"n":[1]}'):
-            await kv.put(SCOPE, "inbox", "k", given, expected_version=0)
+        given: dict[str, Any] = {"n": [1], "d": {"x": 1}}
+        await kv.put(SCOPE, "inbox", "k", given, expected_version=0)
         given["n"].append(2)
+        given["d"]["x"] = 2
         found = await kv.get(SCOPE, "inbox", "k")
-        assert found == Versioned({"n": [1]}, 1), f"the kv must keep what was written, got {found!r}"
+        assert found == Versioned({"n": [1], "d": {"x": 1}}, 1), f"the kv must keep what was written, got {found!r}"
+        assert found is not None
+        found.value["n"].append(3)
+        again = await kv.get(SCOPE, "inbox", "k")
+        assert again == Versioned({"n": [1], "d": {"x": 1}}, 1), f"a read's value must be a copy, got {again!r}"
 
     run(body())
+
+
+@spec("BACK-7")
+def test_a_record_is_stored_as_its_fields_in_order_then_its_extra_fields() -> None:
+    """``to_json`` (every journal write): the declared fields in their order, then the
+    unknown fields a newer version wrote (``extra``) — whether the record was made,
+    read back or copied — and never an attribute set on the object that is no field."""
+    from botmesh.core.records import _field_names
+
+    made = sending_outbox()
+    made.extra = {"newer": {"n": 1}}
+    names = list(_field_names(OutboxRecord))
+    read = OutboxRecord.from_json(made.to_json())
+    for rec in (made, read, read.copy(state="sent"), OutboxRecord.from_json(sending_outbox().to_json())):
+        value = rec.to_json()
+        expected = names + (["newer"] if rec.extra else [])
+        assert list(value) == expected, f"{rec!r}: stored keys {list(value)}, expected {expected}"
+    odd = leased_inbox()
+    odd.not_a_field = 1  # type: ignore[attr-defined]
+    value = odd.to_json()
+    assert "not_a_field" not in value and list(value) == list(_field_names(InboxRecord)), list(value)
+    assert InboxRecord.from_json(value) == leased_inbox()

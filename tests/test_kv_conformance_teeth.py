@@ -143,22 +143,12 @@ class NonAtomicCasKv(MemoryKv):
 
 
 class SharedValueKv(MemoryKv):
-    """Bug: get() returns the stored dict itself instead of a copy (MemoryKv keeps JSON
-    text; this one keeps a dict beside it, decoded once per put, and hands that out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shared: dict[tuple[str, str, str], dict[str, Any]] = {}
-
-    async def put(self, scope: str, space: str, key: str, value: dict[str, Any], **kw: Any) -> int:
-        version = await super().put(scope, space, key, value, **kw)
-        self.shared[(scope, space, key)] = json.loads(self._space(scope, space)[key][0])
-        return version
+    """Bug: get() returns the stored dict itself instead of a copy."""
 
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         self._check()
         entry = self._space(scope, space).get(key)
-        return None if entry is None else Versioned(self.shared[(scope, space, key)], entry[1])
+        return None if entry is None else Versioned(entry[0], entry[1])
 
 
 class ForgetfulKv(MemoryKv):

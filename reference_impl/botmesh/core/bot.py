@@ -281,14 +281,27 @@ class Bot:
                 content = result
         return content
 
-    async def after_send(self, chat_id: str, content: dict[str, Any], message_id: str, key: str | None) -> None:
-        """Run the ``after("send")`` hooks and log the sent message in the store."""
-        for fn in self._after["send"]:
+    async def after_send(
+        self, chat_id: str, content: dict[str, Any], message_id: str, key: str | None, *, journaled: bool = False
+    ) -> None:
+        """Run the ``after("send")`` hooks and log the sent message in the store.
+        ``journaled``: ``content`` is in its journal form (``content.encode``'s, as the
+        outbox keeps it): the hooks get it decoded, the log takes it as it is."""
+        hooks = self._after["send"]
+        if journaled:
+            logged = content
+            if hooks:
+                from . import content as contentlib
+
+                content = contentlib.decode(content)
+        else:
+            logged = _loggable(content)
+        for fn in hooks:
             result = fn(chat_id, content, message_id)
             if inspect.isawaitable(result):
                 await result
         await self.store.append_message(
-            {"direction": "out", "chat_id": chat_id, "content": _loggable(content), "message_id": message_id,
+            {"direction": "out", "chat_id": chat_id, "content": logged, "message_id": message_id,
              "key": key, "at": self.clock.now()}
         )
 

@@ -46,7 +46,7 @@ from . import content as contentlib
 from .backend import DurabilityBackend
 from .config import DurabilityConfig
 from .errors import DurabilityError, SendDeferredError, SendFailedError
-from .heartbeat import ChatOrder, Heartbeat
+from .heartbeat import ChatOrder, FirstBeats, Heartbeat
 from .host import BotHost, CtxT, HandlerContext
 from .inputs import MAX_ID_CHARS, check_key
 from .keylocks import KeyLocks, acquire_waiting
@@ -130,6 +130,7 @@ class DurabilityRuntime(Generic[CtxT]):
         self._chat_locks: dict[str, asyncio.Lock] = {}
         self._key_locks = KeyLocks(self.clock)  # OUT-2, OUT-10: one send per key at a time
         self._seq = 0
+        self._first_beats = FirstBeats()  # the real clock's first heartbeats, one timer
         self._replays = Replays(self._spawn, self._replay_due, self._replay_failed)
         self._purger = Purger(lambda journal, exc: self._sweep_failed("sweep.purge", exc, journal=journal))
 
@@ -225,7 +226,7 @@ class DurabilityRuntime(Generic[CtxT]):
     # -- heartbeat (LEASE-1) ------------------------------------------------------------
     def _heartbeat(self, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> Heartbeat:
         """Renew a lease every ``lease_ms / 3`` while the block runs (LEASE-1)."""
-        return Heartbeat(self.clock, beat, lease_ms)
+        return Heartbeat(self.clock, beat, lease_ms, self._first_beats)
 
     # -- inbox --------------------------------------------------------------------------
     def _serialize_event(self, event: InboundEvent) -> dict[str, Any]:
@@ -535,8 +536,8 @@ class DurabilityRuntime(Generic[CtxT]):
             return _Sent(str(message_id), settled=False)
         return _Sent(str(message_id))
 
-    async def _after_send(self, rec: OutboxRecord, message_id: str) -> None:
-        await self.bot.after_send(rec.chat_id, contentlib.decode(rec.content), message_id, rec.key)
+    def _after_send(self, rec: OutboxRecord, message_id: str) -> Awaitable[None]:
+        return self.bot.after_send(rec.chat_id, rec.content, message_id, rec.key, journaled=True)
 
     # -- sends ----------------------------------------------------------------------------
     def _key_for(self, ctx: HandlerContext | None, explicit: str | None) -> tuple[str, str]:

@@ -7,7 +7,6 @@ its files in :mod:`botmesh.core.file_format`.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import threading
@@ -304,7 +303,7 @@ class FileKv(DurableKv):
         check_record(scope, space, key)
         self._check()
         entry = self._records.get((scope, space), {}).get(key)
-        result = None if entry is None else Versioned(copy.deepcopy(entry[0]), entry[1])
+        result = None if entry is None else Versioned(check_json_object(entry[0]), entry[1])
         await asyncio.sleep(0)
         return result
 
@@ -386,7 +385,7 @@ class FileKv(DurableKv):
         self._check()
         records = self._records.get((scope, space), {})
         keys = sorted(k for k in records if after is None or k > after)[:limit]
-        result = [(k, Versioned(copy.deepcopy(records[k][0]), records[k][1])) for k in keys]
+        result = [(k, Versioned(check_json_object(records[k][0]), records[k][1])) for k in keys]
         await asyncio.sleep(0)
         return result
 

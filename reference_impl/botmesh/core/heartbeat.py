@@ -12,21 +12,81 @@ from .clock import Clock, RealClock
 from .keylocks import acquire_waiting
 
 
+class FirstBeats:
+    """The first beats of one runtime's heartbeats on the real clock, behind one timer.
+
+    A block that ends before its first beat is due (nearly every one: a lease is renewed
+    every ``lease_ms / 3``, 10 s by default) then costs an entry in a dict instead of a
+    timer made and cancelled (``call_later`` twice per message, issue 16). The timer is
+    armed for the earliest due first beat; when it fires, every block whose first beat is
+    due starts beating (a task, as before) and it is armed again for the next one."""
+
+    __slots__ = ("_due", "_timer", "_loop")
+
+    _EARLY_S = 0.001
+    """A first beat this close to due when the timer fires is started (the loop fires a
+    timer up to its clock resolution early)."""
+
+    def __init__(self) -> None:
+        self._due: dict[Heartbeat, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, heartbeat: Heartbeat, delay_s: float) -> None:
+        """Start ``heartbeat`` beating ``delay_s`` from now unless it was removed."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new loop (a restart in another asyncio.run)
+            self._loop, self._timer = loop, None
+            self._due.clear()
+        due = loop.time() + delay_s
+        self._due[heartbeat] = due
+        timer = self._timer
+        if timer is None or timer.when() > due:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(due, self._fire)
+
+    def remove(self, heartbeat: Heartbeat) -> None:
+        """``heartbeat``'s block ended: no first beat (the timer stays armed, and finds
+        nothing due for it)."""
+        self._due.pop(heartbeat, None)
+
+    def _fire(self) -> None:
+        self._timer = None
+        loop = self._loop
+        assert loop is not None
+        now = loop.time() + self._EARLY_S
+        due_next: float | None = None
+        for heartbeat, due in list(self._due.items()):
+            if due <= now:
+                del self._due[heartbeat]
+                heartbeat._start(False)
+            elif due_next is None or due < due_next:
+                due_next = due
+        if due_next is not None:
+            self._timer = loop.call_at(due_next, self._fire)
+
+
 class Heartbeat:
     """``async with Heartbeat(clock, beat, lease_ms)``: ``await beat(now + lease_ms)``
     every ``lease_ms / 3`` while the block runs, until a beat returns False. On the real
     clock the wait for the first beat is a timer, not a task: most blocks end before it,
-    and then no task was made. A beat that died of a ``BaseException`` that is not an
-    ``Exception`` (a simulated process death) is raised when the block ends."""
+    and then no task was made; with ``first_beats`` that timer is shared by all the
+    blocks of a runtime (:class:`FirstBeats`). A beat that died of a ``BaseException``
+    that is not an ``Exception`` (a simulated process death) is raised when the block
+    ends."""
 
-    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_timer")
+    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_timer", "_first_beats")
 
-    def __init__(self, clock: Clock, beat: Callable[[float], Awaitable[bool]], lease_ms: float) -> None:
+    def __init__(
+        self, clock: Clock, beat: Callable[[float], Awaitable[bool]], lease_ms: float, first_beats: FirstBeats | None = None
+    ) -> None:
         self._clock = clock
         self._beat = beat
         self._lease_ms = lease_ms
         self._tasks: list[asyncio.Task[None]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._first_beats = first_beats
 
     async def _beats(self, sleep_first: bool) -> None:
         clock, lease_ms = self._clock, self._lease_ms
@@ -43,15 +103,19 @@ class Heartbeat:
 
     async def __aenter__(self) -> None:
         if type(self._clock) is RealClock:
-            self._timer = asyncio.get_running_loop().call_later(
-                max(0.0, self._lease_ms / 3.0) / 1000.0, self._start, False
-            )
+            delay_s = max(0.0, self._lease_ms / 3.0) / 1000.0
+            if self._first_beats is not None:
+                self._first_beats.add(self, delay_s)
+            else:
+                self._timer = asyncio.get_running_loop().call_later(delay_s, self._start, False)
         else:
             self._start(True)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._first_beats is not None:
+            self._first_beats.remove(self)
         if self._timer is not None:
             self._timer.cancel()
         for task in self._tasks:

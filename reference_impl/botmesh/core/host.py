@@ -151,7 +151,10 @@ class BotHost(Protocol[CtxT]):
         """The ``before("send")`` hooks: the content to send, or None when cancelled."""
         ...
 
-    async def after_send(self, chat_id: str, content: dict[str, Any], message_id: str, key: str | None) -> None:
+    async def after_send(
+        self, chat_id: str, content: dict[str, Any], message_id: str, key: str | None, *, journaled: bool = False
+    ) -> None:
         """The ``after("send")`` hooks and the message log, once the provider accepted a
-        send."""
+        send. ``journaled``: ``content`` is the outbox's journal form of it (the hooks get
+        it decoded, the log as it is)."""
         ...

@@ -92,10 +92,11 @@ def describe(value: Any) -> str:
 def text_problem(value: str) -> str | None:
     """Why the string ``value`` cannot be stored as a key or name (a lone surrogate,
     U+0000), or None."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"is not valid Unicode (a lone surrogate U+{ord(value[exc.start]):04X} at index {exc.start})"
+    if not value.isascii():  # (an ASCII string has no surrogate: not encoded for nothing)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"is not valid Unicode (a lone surrogate U+{ord(value[exc.start]):04X} at index {exc.start})"
     nul = value.find("\x00")
     if nul >= 0:
         return f"contains U+0000 (at index {nul}), which PostgreSQL cannot store"

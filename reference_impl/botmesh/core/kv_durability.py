@@ -7,14 +7,13 @@ in :mod:`botmesh.core.memory`.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, KvContractError, VersionConflict
 from .records import InboxRecord, OutboxRecord
-from .spi import DurableKv, check_json_object, encode_json_object, writing
+from .spi import DurableKv, check_json_object
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
 
@@ -79,9 +78,9 @@ class KvDurability(DurabilityBackend):
         self.own_kv = own_kv
         self.name = name or type(kv).__name__
         self.capabilities = kv.capabilities
-        # (scope, space, key) -> (version, record as JSON text) that this instance's own
-        # last CAS wrote, for records that hold a lease (see _know)
-        self._known: dict[tuple[str, str, str], tuple[int, str]] = {}
+        # (scope, space, key) -> (version, a private copy of the record's value) that this
+        # instance's own last CAS wrote, for records that hold a lease (see _know)
+        self._known: dict[tuple[str, str, str], tuple[int, dict[str, Any]]] = {}
 
     async def start(self) -> None:
         self._known.clear()
@@ -105,18 +104,20 @@ class KvDurability(DurabilityBackend):
         return _outbox_indexes(record)
 
     # -- known versions ------------------------------------------------------------------
-    def _know(self, scope: str, space: str, key: str, version: int, state: str, text: str) -> None:
-        """Keep ``text`` (the record as JSON) as the value of ``key`` at ``version`` after
-        our own CAS wrote it — only while it holds a lease (``leased``/``sending``: the
-        records whose next write is ours and near) — so the next transition needs no
-        read. Kept as JSON text, so nothing the caller does to its records can change it."""
+    def _know(self, scope: str, space: str, key: str, version: int, state: str, value: dict[str, Any]) -> None:
+        """Keep ``value`` (the record as written) as the value of ``key`` at ``version``
+        after our own CAS wrote it — only while it holds a lease (``leased``/``sending``:
+        the records whose next write is ours and near) — so the next transition needs no
+        read. Kept as a copy of its own (:func:`~botmesh.core.spi.check_json_object`), so
+        nothing the caller does to its records can change it; a transition takes it (it
+        is never handed out while known)."""
         k = (scope, space, key)
         self._known.pop(k, None)  # re-inserted last: the oldest entry is evicted first
         if state not in _LEASED:
             return
         if len(self._known) >= _MAX_KNOWN:
             del self._known[next(iter(self._known))]
-        self._known[k] = (version, text)
+        self._known[k] = (version, check_json_object(value))
 
     def _forget(self, scope: str, space: str, key: str) -> None:
         self._known.pop((scope, space, key), None)
@@ -124,16 +125,11 @@ class KvDurability(DurabilityBackend):
     # -- generic record transitions -----------------------------------------------------
     async def _put(
         self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None,
-        expires: float | None, text: str = "",
+        expires: float | None,
     ) -> None:
-        """CAS ``value`` at ``expected``; ``text``, when given, is its JSON encoding (the
-        kv's ``encode_json_object`` of ``value`` then reuses it: :func:`spi.writing`)."""
+        """CAS ``value`` at ``expected``."""
         try:
-            if text:
-                with writing(value, text):
-                    await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
-            else:
-                await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
+            await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
         except BackendUnavailableError:
             # Outcome unknown: the write may have landed. Read it back by key.
             self._forget(scope, space, key)
@@ -144,18 +140,6 @@ class KvDurability(DurabilityBackend):
         except VersionConflict:
             self._forget(scope, space, key)
             raise
-
-    async def _create(
-        self, scope: str, space: str, key: str, record: InboxRecord | OutboxRecord, indexes: tuple[float | None, float | None]
-    ) -> bool:
-        value = record.to_json()
-        text = encode_json_object(value) if record.state in _LEASED else ""  # before the put: what it writes
-        try:
-            await self._put(scope, space, key, value, 0, *indexes, text)
-        except VersionConflict:
-            return False
-        self._know(scope, space, key, 1, record.state, text)
-        return True
 
     async def _transition(
         self, scope: str, space: str, key: str, cls: type[RecordT], change: Callable[[RecordT], RecordT | None]
@@ -172,7 +156,7 @@ class KvDurability(DurabilityBackend):
         for _ in range(_MAX_CAS_ROUNDS):
             known = self._known.pop(k, None)
             if known is not None:
-                version, value = known[0], json.loads(known[1])
+                version, value = known
             else:
                 current = await self.kv.get(scope, space, key)
                 if current is None:
@@ -184,20 +168,25 @@ class KvDurability(DurabilityBackend):
                     continue  # declined on what this instance knew: decide on a fresh read
                 return None
             value = new.to_json()
-            text = encode_json_object(value) if new.state in _LEASED else ""
             try:
-                await self._put(scope, space, key, value, version, *indexes(new), text)
+                await self._put(scope, space, key, value, version, *indexes(new))
             except VersionConflict:
                 continue
-            self._know(scope, space, key, version + 1, new.state, text)
+            self._know(scope, space, key, version + 1, new.state, value)
             return new
         raise DurabilityError(f"{space}/{key}: gave up after {_MAX_CAS_ROUNDS} conflicting writes")
 
-    async def _in_tx(self, scope: str, id: str, change: Callable[[InboxRecord], InboxRecord | None]) -> InboxRecord | None:
-        return await self._transition(scope, INBOX, id, InboxRecord, change)
+    # (plain functions handing back the coroutine of _transition: one coroutine less per
+    # transition, twice per message)
+    def _in_tx(
+        self, scope: str, id: str, change: Callable[[InboxRecord], InboxRecord | None]
+    ) -> Coroutine[Any, Any, InboxRecord | None]:
+        return self._transition(scope, INBOX, id, InboxRecord, change)
 
-    async def _out_tx(self, scope: str, key: str, change: Callable[[OutboxRecord], OutboxRecord | None]) -> OutboxRecord | None:
-        return await self._transition(scope, OUTBOX, key, OutboxRecord, change)
+    def _out_tx(
+        self, scope: str, key: str, change: Callable[[OutboxRecord], OutboxRecord | None]
+    ) -> Coroutine[Any, Any, OutboxRecord | None]:
+        return self._transition(scope, OUTBOX, key, OutboxRecord, change)
 
     async def _scan_records(self, scope: str, space: str, cls: type[RecordT], state: str | None, limit: int) -> list[RecordT]:
         result: list[RecordT] = []
@@ -225,7 +214,13 @@ class KvDurability(DurabilityBackend):
     ) -> tuple[RecordT, bool]:
         """Create unless the key exists; then return the stored record (INB-4, OUT-2)."""
         for _ in range(2):  # a second round only when the record vanished in between
-            if await self._create(scope, space, key, record, indexes):
+            value = record.to_json()
+            try:
+                await self._put(scope, space, key, value, 0, *indexes)
+            except VersionConflict:
+                pass
+            else:
+                self._know(scope, space, key, 1, record.state, value)
                 return record, True
             found = await self.kv.get(scope, space, key)
             if found is not None:

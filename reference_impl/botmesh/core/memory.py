@@ -6,13 +6,12 @@ other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .kv_durability import KvDurability
-from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, encode_json_object
+from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
 __all__ = ["MemoryDurability", "MemoryKv"]
 
@@ -22,15 +21,16 @@ class MemoryKv(DurableKv):
     compares other backends against. Nothing survives the process. Its arguments are
     checked as every built-in kv checks them (:mod:`botmesh.core.inputs`).
 
-    A value is stored as its JSON text, encoded once by ``put`` (which is also the check
-    that it is a JSON object) and decoded by every read: what is stored cannot alias the
-    caller's dict, and every read returns a fresh one."""
+    A value is stored as a private copy made by ``put`` with
+    :func:`~botmesh.core.spi.check_json_object` (which is also the check that it is a
+    JSON object: the copy is what a JSON round trip gives), and every read returns a
+    fresh copy of it: what is stored never aliases a caller's dict."""
 
     capabilities = Capabilities()
 
     def __init__(self) -> None:
-        # (scope, space) -> key -> (value as JSON text, version, due, expires)
-        self._data: dict[tuple[str, str], dict[str, tuple[str, int, float | None, float | None]]] = {}
+        # (scope, space) -> key -> (value, a copy nobody else holds; version, due, expires)
+        self._data: dict[tuple[str, str], dict[str, tuple[dict[str, Any], int, float | None, float | None]]] = {}
         self._closed = False
 
     async def open(self) -> None:
@@ -43,7 +43,7 @@ class MemoryKv(DurableKv):
         if self._closed:
             raise BackendUnavailableError("MemoryKv is closed")
 
-    def _space(self, scope: str, space: str) -> dict[str, tuple[str, int, float | None, float | None]]:
+    def _space(self, scope: str, space: str) -> dict[str, tuple[dict[str, Any], int, float | None, float | None]]:
         return self._data.setdefault((scope, space), {})
 
     # Each method completes without awaiting anything in between its read and its write,
@@ -53,7 +53,7 @@ class MemoryKv(DurableKv):
         check_record(scope, space, key)
         self._check()
         entry = self._space(scope, space).get(key)
-        result = None if entry is None else Versioned(json.loads(entry[0]), entry[1])
+        result = None if entry is None else Versioned(check_json_object(entry[0]), entry[1])
         await asyncio.sleep(0)
         return result
 
@@ -69,7 +69,7 @@ class MemoryKv(DurableKv):
         expires: float | None = None,
     ) -> int:
         due, expires = check_put(scope, space, key, expected_version, due, expires)
-        stored = encode_json_object(value)
+        stored = check_json_object(value)
         self._check()
         records = self._space(scope, space)
         current = records.get(key)
@@ -114,7 +114,7 @@ class MemoryKv(DurableKv):
         self._check()
         records = self._space(scope, space)
         keys = sorted(k for k in records if after is None or k > after)[:limit]
-        result = [(k, Versioned(json.loads(records[k][0]), records[k][1])) for k in keys]
+        result = [(k, Versioned(check_json_object(records[k][0]), records[k][1])) for k in keys]
         await asyncio.sleep(0)
         return result
 

@@ -43,9 +43,17 @@ class _Record:
         return found
 
     def to_json(self) -> dict[str, Any]:
-        attrs = self.__dict__
-        data = {name: attrs[name] for name in self._fields()[0]}
-        data.update(self.extra)
+        fields = self._fields()[0]
+        data = self.__dict__.copy()
+        extra = data.pop("extra", None)
+        if len(data) != len(fields) or extra is None:  # an attribute added or removed: by name
+            attrs = self.__dict__
+            data = {name: attrs[name] for name in fields}
+            extra = self.extra
+        # else: the fields themselves, in their order (``__init__``, ``copy`` and
+        # ``from_json`` keep it), without picking them one by one
+        if extra:
+            data.update(extra)
         return data
 
     @classmethod
@@ -71,9 +79,10 @@ class _Record:
         """A new record with ``changes`` (what ``dataclasses.replace`` does, nested
         values shared alike, without its per-call cost)."""
         names = self._fields()[1]
-        for name in changes:
-            if name not in names and name != "extra":
-                raise TypeError(f"{type(self).__name__} has no field {name!r}")
+        if not names.issuperset(changes):
+            for name in changes:
+                if name not in names and name != "extra":
+                    raise TypeError(f"{type(self).__name__} has no field {name!r}")
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
