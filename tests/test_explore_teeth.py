@@ -277,11 +277,12 @@ def test_explore_finds_a_download_error_escaping_load_media_of(pytester: pytest.
 
 @pytest.mark.spec("LEASE-3", "LEASE-1", "REPL-1", "TEST-4")
 def test_explore_finds_two_sqlite_processes_sharing_the_default_instance_id(pytester: pytest.Pytester) -> None:
-    """A replica booting while the bot holds a lease, both on the default instance_id:
-    without the per-boot suffix on SQLite its recovery pass takes the live lease and runs
-    the handler a second time."""
+    """A replica booting while the bot holds a lease (a handler's, or a slow replay's of
+    a record left pending), both on the default instance_id: without the per-boot suffix
+    on SQLite its recovery pass takes the live lease and runs the handler a second time."""
     story = _caught_and_replayed(pytester, SHARED_DEFAULT_ID, "LEASE-3", examples=40, seed=2, backend="sqlite")
-    assert "default_id=True" in story and re.search(r"x\.replica\(None, during=[12]\)", story), story
+    # the replica boots on the default id while the bot holds a lease (a handler's or a slow replay's)
+    assert "default_id=True" in story and re.search(r"x\.replica\(None, during=\d+\)", story), story
 
 
 MAX_REPLAYS = 3

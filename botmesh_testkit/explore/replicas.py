@@ -144,6 +144,9 @@ class ReplicaVerbs:
     def _install_as(self, bot: Any, process: int) -> None:
         raise NotImplementedError  # Explorer's
 
+    async def _quiet(self) -> None:
+        raise NotImplementedError  # Explorer's
+
     async def _close_replicas(self) -> None:
         if self.replica_bot is not None:
             await self.replica_bot.abandon()
@@ -159,6 +162,7 @@ class ReplicaVerbs:
         execution then holds its message's lease while the replica's first sweep pass
         runs: it waits 1 ms of virtual time after the boot) — as ``instance_id`` (None:
         the default of LEASE-3). At most one replica lives at a time."""
+        await self._quiet()
         if self.replica_bot is not None or self._armed_boot is not None:
             raise ValueError("replica(): a replica is already alive or armed; stop_replica() first")
         if during > 0:
@@ -169,6 +173,7 @@ class ReplicaVerbs:
 
     async def stop_replica(self) -> None:
         """The replica's process dies (an execution it had in flight is cut short)."""
+        await self._quiet()
         if self.replica_bot is None:
             return
         bot, self.replica_bot = self.replica_bot, None

@@ -106,6 +106,9 @@ OUTBOX_RETRIES = 12
 inject (:data:`MAX_TRANSIENT`), so a send dies only of a definitive refusal."""
 MAX_TRANSIENT = 6
 MEDIA_BYTES = b"explore media of "
+QUIET_TURNS = 10_000
+"""Turns of the event loop :meth:`Explorer._quiet` takes at most (ready work that keeps
+making more ready work is a bug elsewhere; the verb then starts anyway)."""
 FINISH_MS = 3_600_000.0
 DRAIN_CHUNK_MS = 60_000.0
 """Virtual time :meth:`Explorer.finish` lets pass (past every retry and rate limit)."""
@@ -362,8 +365,21 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
             self.crashes += 1
 
     # -- verbs ----------------------------------------------------------------------------
+    async def _quiet(self) -> None:
+        """Run every callback the event loop has ready, and those they make ready, before
+        a verb starts: explore runs each verb as a task of its own (after what earlier
+        verbs left ready), a story replayed as a scenario awaits them one after the
+        other in one coroutine (before it) — from the same quiet start both run the same
+        interleavings."""
+        loop = asyncio.get_running_loop()
+        for _ in range(QUIET_TURNS):
+            if not getattr(loop, "_ready", None):
+                return
+            await asyncio.sleep(0)
+
     async def start(self) -> None:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
+        await self._quiet()
         await self.world.start(crash=True)
 
     async def _deliver(self, msg: _Message, bot: Any = None) -> None:
@@ -410,6 +426,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         journaled before this delivery, as a dead process left it — ``legacy`` or
         ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first.
         With ``replica``, to the live replica (:meth:`replica`) instead of the bot."""
+        await self._quiet()
         if replica:
             if self.replica_bot is None:
                 raise ValueError("receive(replica=True): no replica is alive; boot one with replica()")
@@ -435,11 +452,13 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
 
     async def redeliver(self, mid: str) -> None:
         """The channel delivers ``mid`` again (a webhook retry, INB-4)."""
+        await self._quiet()
         await self._deliver(self.messages[mid])
         self.check()
 
     async def crash_in(self, n: int, when: str = "before") -> None:
         """Arm a death ``when`` the ``n``-th crash point from now (any point)."""
+        await self._quiet()
         cb = self.world.crashable
         if cb is not None and not cb.crashed:
             cb.crash_at(cb._total + n, when)
@@ -448,6 +467,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         """The process dies (if it has not) and the next starts — with another
         ``instance_id`` when ``new_instance`` — then the channel redelivers every
         message it has not had acknowledged."""
+        await self._quiet()
         self._note_deaths()
         if new_instance:
             self.instance += 1
@@ -470,6 +490,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         sends that pass — a later part of a split text, OUT-9), ``rate`` (rate limited,
         retry after 20 s), ``refuse`` (every send to ``chat`` from now on,
         definitively)."""
+        await self._quiet()
         ch = self.world.channel
         if kind == "refuse":
             assert chat is not None
@@ -498,6 +519,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
 
     async def advance(self, ms: float) -> None:
         """Let ``ms`` of virtual time pass."""
+        await self._quiet()
         if not self.world.crashed:
             try:
                 await self.world.clock.advance(ms)
@@ -509,6 +531,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         """The end of the story: a dead process is restarted, every message is
         redelivered until acknowledged, time passes until everything settled; then the
         model's whole check."""
+        await self._quiet()
         for _ in range(4):
             if self.world.crashed:
                 await self.restart()

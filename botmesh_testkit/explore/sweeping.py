@@ -89,6 +89,9 @@ class SweepModel:
     def _note_death(self) -> None:
         raise NotImplementedError
 
+    async def _quiet(self) -> None:
+        raise NotImplementedError  # Explorer's
+
     async def _deliver(self, msg: Any) -> None:
         raise NotImplementedError
 
@@ -184,6 +187,7 @@ class SweepModel:
         its record is ``pending``, due now, and the sweep must replay it (INB-3). With
         ``unreadable`` (virtual ms), every read and claim of that record raises for that
         long. Then the channel delivers ``mid`` (a duplicate of the journaled record)."""
+        await self._quiet()
         if mid not in self.messages:
             msg = self.messages[mid] = self.message_type(chat, mid, tuple(actions))
             self.order.append(mid)
@@ -215,6 +219,7 @@ class SweepModel:
         that finished before that (OPS-3). The explored bot lives on meanwhile; when it
         dies the burst stops there (a dead process's world stands still) and is judged
         at that time."""
+        await self._quiet()
         if self.world.crashed:
             self.check()
             return
