@@ -106,9 +106,6 @@ OUTBOX_RETRIES = 12
 inject (:data:`MAX_TRANSIENT`), so a send dies only of a definitive refusal."""
 MAX_TRANSIENT = 6
 MEDIA_BYTES = b"explore media of "
-QUIET_TURNS = 10_000
-"""Turns of the event loop :meth:`Explorer._quiet` takes at most (ready work that keeps
-making more ready work is a bug elsewhere; the verb then starts anyway)."""
 FINISH_MS = 3_600_000.0
 DRAIN_CHUNK_MS = 60_000.0
 """Virtual time :meth:`Explorer.finish` lets pass (past every retry and rate limit)."""
@@ -366,16 +363,24 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
 
     # -- verbs ----------------------------------------------------------------------------
     async def _quiet(self) -> None:
-        """Run every callback the event loop has ready, and those they make ready, before
-        a verb starts: explore runs each verb as a task of its own (after what earlier
-        verbs left ready), a story replayed as a scenario awaits them one after the
-        other in one coroutine (before it) — from the same quiet start both run the same
-        interleavings."""
-        loop = asyncio.get_running_loop()
-        for _ in range(QUIET_TURNS):
-            if not getattr(loop, "_ready", None):
-                return
-            await asyncio.sleep(0)
+        """Let the world come to rest: every callback the event loop has ready has run,
+        and no unit of busy work — a delivery, a sweep pass, a replay, a heartbeat, a
+        replica booting inside a handler — has I/O in flight (the virtual clock's
+        ``settle``). Every verb starts from there, and looks at the model only from
+        there: what a verb does, where an armed death lands and what a check sees then
+        depend on the story alone, never on how fast the backend answered. Explore runs
+        each verb as a task of its own, a story replayed as a scenario awaits them one
+        after the other in one coroutine — from the same rest both run the same
+        interleavings. (A background pass or boot a verb set off — a restart's recovery
+        pass, a replica's first sweep — would otherwise still be talking to the backend
+        when the next verb began: a second bot used before its backend was open, a death
+        armed at a crash point counted while another task passed some.)"""
+        await self.world.clock.settle()
+
+    async def _checked(self) -> None:
+        """The model's check after a verb, from rest (:meth:`_quiet`)."""
+        await self._quiet()
+        self.check()
 
     async def start(self) -> None:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
@@ -448,13 +453,13 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
                 except SimulatedCrash:  # a crash armed at this write: the process dies here
                     self._note_death()
         await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def redeliver(self, mid: str) -> None:
         """The channel delivers ``mid`` again (a webhook retry, INB-4)."""
         await self._quiet()
         await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def crash_in(self, n: int, when: str = "before") -> None:
         """Arm a death ``when`` the ``n``-th crash point from now (any point)."""
@@ -483,7 +488,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         for mid in self.order:
             if not self.messages[mid].acked:
                 await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def fault(self, kind: str, chat: str | None = None, times: int = 1, skip: int = 0) -> None:
         """The channel fails: ``transient`` (the next ``times`` sends, after ``skip``
@@ -525,7 +530,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
                 await self.world.clock.advance(ms)
             except SimulatedCrash:
                 self._note_death()
-        self.check()
+        await self._checked()
 
     async def finish(self) -> None:
         """The end of the story: a dead process is restarted, every message is

@@ -92,6 +92,9 @@ class SweepModel:
     async def _quiet(self) -> None:
         raise NotImplementedError  # Explorer's
 
+    async def _checked(self) -> None:
+        raise NotImplementedError  # Explorer's
+
     async def _deliver(self, msg: Any) -> None:
         raise NotImplementedError
 
@@ -207,7 +210,7 @@ class SweepModel:
             await self._deliver(msg)
         else:
             await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def burst(self, n: int, per_second: int) -> None:
         """Another bot on the backend (``bot_id`` and ``instance_id`` :data:`BURST_BOT`,
@@ -221,7 +224,7 @@ class SweepModel:
         at that time."""
         await self._quiet()
         if self.world.crashed:
-            self.check()
+            await self._checked()
             return
         self.volume_bursts += 1
         tag = f"b{self.volume_bursts}"
@@ -251,7 +254,7 @@ class SweepModel:
             await self._check_purged(bot)
         finally:
             await bot.abandon()
-        self.check()
+        await self._checked()
 
     async def _check_purged(self, bot: Bot) -> None:
         d = bot.durability
