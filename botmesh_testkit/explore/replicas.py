@@ -32,6 +32,10 @@ apart):
   inside a handler, whose error the engine only reports — leaves no replica alive, and
   the next check names the error.
 
+On a backend on a server (the world's ``serial`` lock, :class:`~botmesh_testkit.crash.world.World`)
+the replica's backend calls run under the main bot's lock, one call of either process at
+a time: when both work at one virtual instant (a replay waking from a slow action as the
+other's sweep pass is due), the order of their calls is the program's, not the network's.
 A verb starts, and checks, only once the world is at rest
 (:meth:`~botmesh_testkit.explore.story.Explorer._quiet`): a boot that a handler of a
 background replay set off (a restart's recovery pass) has ended by then, so no verb
@@ -131,11 +135,14 @@ class ReplicaVerbs:
         from botmesh.core.bot import Bot
 
         from ..backends.registry import resolve
+        from ..crash.intercept import InterceptedBackend
         from ..crash.provider import ChannelProvider
 
         harness = resolve(self.s.backend)(self.s.harness.workdir)
         self._replica_harnesses.append(harness)
         backend, store = await harness.open()
+        if self.world.serial is not None:  # one call at a time with the main bot's (see the module docstring)
+            backend = InterceptedBackend(backend, serial=self.world.serial)  # type: ignore[abstract]
         self.replicas += 1
         n = self.replicas
         options = {"backend": backend, **self.world.options}
