@@ -96,8 +96,8 @@ def test_explore_catches_a_planted_backend_and_prints_a_story_that_replays(tmp_p
     story = re.search(r"^  story file: (.+)$", out, re.M)
     assert story, out
     text = Path(story.group(1)).read_text(encoding="utf-8")
-    assert "x.receive(" in text and "@scenario(" in text, text
-    assert re.search(r"^    await x\.receive\(", out, re.M), out  # the story, printed
+    assert re.search(r"x\.(receive|left_pending)\(", text) and "@scenario(" in text, text
+    assert re.search(r"^    await x\.(receive|left_pending)\(", out, re.M), out  # the story, printed
     replay = re.search(r"^  replay it: (pytest .+)$", out, re.M)
     assert replay, out
     argv = shlex.split(replay.group(1))

@@ -8,9 +8,12 @@ still planted, fails the same way.
 Covered here: MEDIA-3/MEDIA-5 (a pre-feature or tampered stored reference killing the
 message; a download error escaping ``load_media_of``), OUT-15 (unjournalable content raising inside ``ctx.reply``), OUT-10 (the
 ``before("send")`` hooks run once per concurrent enqueue of one key), OUT-9 (a deferred
-split send's error naming the part's key), LEASE-3 (two live processes on one SQLite file
-with the default ``instance_id`` sharing it: explore's replica, :mod:`botmesh_testkit.explore.replicas`).
-OUT-12 is in ``tests/test_explore.py``."""
+split send's error naming the part's key), OPS-3 (a purge that cannot keep up), the
+sweep's timing (OUT-7/RETRY-1: a slow replay holding up a due retry; INB-3: one
+unreadable record stopping the pass), LEASE-3 (two live processes on one SQLite file
+with the default ``instance_id`` sharing it: explore's replica,
+:mod:`botmesh_testkit.explore.replicas`) and BACK-7 (a compare-and-set racy between
+processes: explore's burst of real processes). OUT-12 is in ``tests/test_explore.py``."""
 
 from __future__ import annotations
 
@@ -139,6 +142,85 @@ sweep.default_instance_id = engine.default_instance_id = default_instance_id  # 
 '''
 
 
+OLD_PURGE = '''
+import botmesh.core.sweep as sweep
+
+
+async def run(self, backend, scope, now, retention_ms):
+    # the bug of issue 12 (OPS-3): at most 500 records per journal and purge period (a
+    # minute): above about 8 messages a second sustained, the journals grow without bound
+    if retention_ms <= 0 or now() < self.next_at:
+        return
+    self.next_at = now() + min(60_000.0, retention_ms)
+    await backend.inbox_purge(scope, now=now(), limit=500)
+    await backend.outbox_purge(scope, now=now(), limit=500)
+
+
+sweep.Purger.run = run
+'''
+
+SERIAL_SWEEP = '''
+import math
+
+import botmesh.core.engine as engine
+
+_sweep = engine.DurabilityRuntime.sweep
+
+
+async def sweep(self):
+    # the bug of issue 12: the pass replays the due inbound records itself, one after the
+    # other, and only then delivers the due sends: a slow replayed handler holds them up
+    recover = not self._recovered
+    upto = math.inf if recover else self._now()
+    for id in await self.backend.inbox_due(self.scope, upto=upto, limit=100):
+        if id not in self._local_inbound and id not in self._replays:
+            try:
+                await self._replay_due(id, recover)
+            except Exception as exc:
+                await self._replay_failed(id, recover, exc)
+    await _sweep(self)
+
+
+engine.DurabilityRuntime.sweep = sweep
+'''
+
+BRITTLE_SWEEP = '''
+import math
+
+import botmesh.core.engine as engine
+from botmesh.core.keylocks import acquire_waiting
+
+
+async def sweep(self):
+    # the bug of issue 12: the pass reads each due record before handing it on, and the
+    # first exception ends the pass: every record due behind it waits
+    recover = not self._recovered
+    upto = math.inf if recover else self._now()
+    b, scope = self.backend, self.scope
+    for id in await b.inbox_due(scope, upto=upto, limit=100):
+        if id not in self._local_inbound and id not in self._replays:
+            if await b.inbox_get(scope, id) is not None:
+                self._replays.add(id, recover=recover)
+    keys = await b.outbox_due(scope, upto=upto, limit=100)
+    records = [r for r in [await b.outbox_get(scope, k) for k in keys] if r is not None]
+    records.sort(key=lambda r: (r.created_at, r.seq, r.part, r.key))
+    for rec in records:
+        lock = self._chat_lock(rec.chat_id)
+        if lock.locked():
+            continue
+        await acquire_waiting(self.clock, lock)
+        try:
+            await self._deliver(rec, recover=recover)
+        finally:
+            lock.release()
+    self._recovered = True
+    await self._purger.run(b, scope, self._now, self.config.retention_ms)
+
+
+engine.DurabilityRuntime.sweep = sweep
+'''
+
+
 def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int, seed: int,
                          backend: str = "memory") -> str:
     """Run explore on ``backend`` with ``plant`` as conftest; the failure must name
@@ -177,7 +259,7 @@ def test_explore_finds_hooks_run_once_per_concurrent_enqueue(pytester: pytest.Py
 
 @pytest.mark.spec("OUT-9", "TEST-4")
 def test_explore_finds_a_deferred_split_send_naming_its_part_key(pytester: pytest.Pytester) -> None:
-    story = _caught_and_replayed(pytester, PART_KEY_IN_ERRORS, "OUT-9", examples=40, seed=15)
+    story = _caught_and_replayed(pytester, PART_KEY_IN_ERRORS, "OUT-9", examples=40, seed=9)
     assert "skip=" in story, story  # a fault that lets part 1 pass and defers a later part
 
 
@@ -195,11 +277,12 @@ def test_explore_finds_a_download_error_escaping_load_media_of(pytester: pytest.
 
 @pytest.mark.spec("LEASE-3", "LEASE-1", "REPL-1", "TEST-4")
 def test_explore_finds_two_sqlite_processes_sharing_the_default_instance_id(pytester: pytest.Pytester) -> None:
-    """A replica booting while the bot holds a lease, both on the default instance_id:
-    without the per-boot suffix on SQLite its recovery pass takes the live lease and runs
-    the handler a second time."""
+    """A replica booting while the bot holds a lease (a handler's, or a slow replay's of
+    a record left pending), both on the default instance_id: without the per-boot suffix
+    on SQLite its recovery pass takes the live lease and runs the handler a second time."""
     story = _caught_and_replayed(pytester, SHARED_DEFAULT_ID, "LEASE-3", examples=40, seed=2, backend="sqlite")
-    assert "default_id=True" in story and re.search(r"x\.replica\(None, during=[12]\)", story), story
+    # the replica boots on the default id while the bot holds a lease (a handler's or a slow replay's)
+    assert "default_id=True" in story and re.search(r"x\.replica\(None, during=\d+\)", story), story
 
 
 MAX_REPLAYS = 3
@@ -239,3 +322,28 @@ def test_explore_finds_a_kv_whose_compare_and_set_is_not_atomic_across_processes
             break
     assert again.ret == 1, again.stdout.str()[-3000:]
     again.stdout.fnmatch_lines(["*FAILED*BACK-7*"])
+@pytest.mark.spec("OPS-3", "TEST-4")
+def test_explore_finds_purging_that_cannot_keep_up(pytester: pytest.Pytester) -> None:
+    """Issue 12, class 4: a purge of at most 500 records per journal and minute. A story
+    with volumes bursts 600 messages at 20 a second to a bot whose retention is a
+    minute: its inbox still holds records long past their retention."""
+    story = _caught_and_replayed(pytester, OLD_PURGE, "OPS-3", examples=40, seed=3)
+    assert "x.burst(600, 20)" in story, story
+
+
+@pytest.mark.spec("OUT-7", "RETRY-1", "TEST-4")
+def test_explore_finds_a_sweep_held_up_by_a_slow_replay(pytester: pytest.Pytester) -> None:
+    """Issue 12, class 5: a sweep that runs each due replay itself before the due sends.
+    A replayed handler that takes five minutes (``slow``) holds up a send the channel
+    rate-limited: its retry comes minutes after it was due."""
+    story = _caught_and_replayed(pytester, SERIAL_SWEEP, "OUT-7", examples=40, seed=3)
+    assert "slow(300000)" in story and "x.fault(" in story, story
+
+
+@pytest.mark.spec("INB-3", "TEST-4")
+def test_explore_finds_a_sweep_pass_that_one_record_aborts(pytester: pytest.Pytester) -> None:
+    """Issue 12, class 5: a sweep pass that ends at the first record whose processing
+    raises. A record the journal cannot read for five minutes (``unreadable``) keeps
+    another record left pending from being replayed all that time."""
+    story = _caught_and_replayed(pytester, BRITTLE_SWEEP, "INB-3", examples=40, seed=7)
+    assert "unreadable=300000" in story, story

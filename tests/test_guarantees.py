@@ -567,6 +567,45 @@ async def test_expired_lease_is_taken_over_and_old_completion_refused(harness: B
     await world.close()
 
 
+@spec("LEASE-2", "REPL-1", "OUT-12", "OUT-13")
+async def test_a_split_send_another_sweep_took_before_its_split_is_no_stale_lease(harness: BackendHarness) -> None:
+    """A reply over the channel's limit is journaled ``pending`` (due at once), its later
+    parts next, then the first record is cut to its first part. When another process's
+    sweep pass claims and sends it in between (on a shared backend, a pass waking at the
+    same virtual instant as a slow handler: explore's flaky REPL-1 failure on Redis), the
+    handler's split is declined — but it never held a lease on that record, so nothing is
+    counted in ``stale_leases``; each part reaches the channel once, in order."""
+    world = World(harness, setup=lambda bot: bot.when("hi")(_long_reply), text_limit=12)
+    bot_a = await world.start()
+    backend = bot_a.durability.backend
+    other = Bot(world.channel, world.store, {"backend": backend, "instance_id": "i2"}, clock=world.clock)
+    await other.start()
+    real_split = backend.outbox_split
+    taken: list[str] = []
+
+    async def split(scope: str, key: str, *, token: int | None, content: Any) -> bool:
+        if token is None and not taken:  # the handler's split of its new record: the other pass runs first
+            taken.append(key)
+            await other.durability.sweep()
+        return bool(await real_split(scope, key, token=token, content=content))
+
+    backend.outbox_split = split
+    await world.receive("c1", "hi", id="m1")
+    await world.drain()
+    backend.outbox_split = real_split
+    assert taken == ["m1:1"], taken
+    assert world.channel.texts() == ["alpha beta ", "gamma delta ", "epsilon"], world.channel.texts()
+    assert (await other.durability.outbox.get("m1:1")).owner == "i2"  # the other process sent it
+    assert bot_a.durability.metrics()["stale_leases"] == 0, bot_a.durability.metrics()
+    assert (await bot_a.durability.inbox.get("m1")).state == "done"
+    await other.abandon()
+    await world.close()
+
+
+async def _long_reply(ctx: Any) -> None:
+    await ctx.reply("alpha beta gamma delta epsilon")
+
+
 @spec("LEASE-4")
 async def test_another_instance_waits_for_expiry_the_same_instance_does_not(harness: BackendHarness) -> None:
     """After a death, a bot with another instance_id takes the records only when their

@@ -7,14 +7,18 @@ drawn — none, valid, expired, failing to download, a pre-feature token, tamper
 rest — and its plan drawn: replies under derived keys or adversarial explicit ones — ``"a"`` beside
 ``"a#2"``, a user's key that looks like a derived one, unicode, 448 characters — texts
 split by the channel, unjournaled content, concurrent enqueues of one key, a handler that
-raises), a redelivery, a channel fault (transient, rate limited, a chat that refuses for
-good), a death armed at the n-th crash point from now, a restart (with another
-``instance_id`` or the same), virtual time passing. On a backend that claims
-``multi_process`` also a second live bot (a replica booted now or during a handler's
-execution, on the default ``instance_id`` or its own, taking messages, killed:
-:mod:`.replicas`; the story's bot then runs on the default ``instance_id`` or ``i1``)
-and, rarely (:data:`BURST_ODDS`, at most :data:`BURSTS` a story), a burst of real
-processes contending on the storage (:mod:`.processes`). The model is checked after every
+raises, a handler that takes five minutes on a replay), a record a dead process left
+pending (its plan drawn the same way; sometimes unreadable for five minutes), a
+redelivery, a channel fault (transient, rate limited, a chat that refuses for good), a
+death armed at the n-th crash point from now, a restart (with another ``instance_id`` or
+the same), virtual time passing, and — in one story in :data:`VOLUME_ODDS`, once — a
+burst of :data:`VOLUME_BURSTS` messages to a second bot whose retention is a minute
+(OPS-3). On a backend that claims ``multi_process`` also a second live bot (a replica
+booted now or during a handler's execution, on the default ``instance_id`` or its own,
+taking messages, killed: :mod:`.replicas`; the story's bot then runs on the default
+``instance_id`` or ``i1``) and, rarely (:data:`BURST_ODDS`, at most :data:`BURSTS` a
+story), a burst of real processes contending on the storage (:mod:`.processes`). The
+model is checked after every
 step and at the end (:meth:`~.story.Explorer.finish`). Each example runs in a fresh
 temporary directory, with its own event loop; each step has a real-time budget
 (:data:`STEP_SECONDS`: a step that hangs is a failure).
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .story import Action, Explorer, ExploreViolation, enqueue, fail, reply, reply_nan
+from .story import Action, Explorer, ExploreViolation, enqueue, fail, reply, reply_nan, slow
 
 __all__ = ["ExploreFailure", "ExploreRun", "explore", "render_story"]
 
@@ -77,13 +81,25 @@ MEDIA = (None, None, None, None, "valid", "expired", "broken", "legacy", "tamper
 ADVANCES = (100.0, 1_000.0, 20_000.0, 60_000.0, 600_000.0)
 """Virtual time a step lets pass, ms (the sweep runs every ``poll_ms``, 1 s: ten minutes
 are 600 sweeps; longer waits are the end's :meth:`~.story.Explorer.finish`)."""
-IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-6", "INB-7", "INB-8", "MEDIA-2", "MEDIA-3", "MEDIA-5",
-       "OUT-2", "OUT-3", "OUT-5",
-       "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15", "LEASE-1", "LEASE-2", "LEASE-3",
+SLOW_MS = (300_000,)
+"""How long a ``slow`` action takes (virtual ms): a few seconds, or five minutes — well
+over the bound the model gives a due retry (:data:`~.sweeping.RETRY_BOUND_MS`), so a
+sweep that waits for a replayed handler shows."""
+VOLUME_BURSTS = ((600, 20),)
+"""(messages, per second) of a :meth:`~.story.Explorer.burst`: 600 messages at 20 a
+second, over what a purge of 500 records per journal and minute deletes (OPS-3). Costly
+on a backend whose deletes are slow (about 10 s on the file backend, 3 s on SQLite),
+hence drawn only in one story in :data:`VOLUME_ODDS`, once."""
+VOLUME_ODDS = 12
+UNREADABLE_MS = (0, 0, 300_000)
+"""How long the record of a :meth:`~.story.Explorer.left_pending` message cannot be read."""
+IDS = ("GUAR-1", "GUAR-3", "GUAR-7", "INB-1", "INB-2", "INB-3", "INB-6", "INB-7", "INB-8", "MEDIA-2", "MEDIA-3",
+       "MEDIA-5", "OPS-3", "OUT-2", "OUT-3", "OUT-5",
+       "OUT-7", "OUT-9", "OUT-10", "OUT-11", "OUT-12", "OUT-14", "OUT-15", "RETRY-1", "LEASE-1", "LEASE-2", "LEASE-3",
        "REPL-1", "REPL-3", "REPL-4", "BACK-7", "INB-4")
 """The requirement ids the explorer's model checks (its item's ``spec`` marker)."""
 
-STORY_IMPORTS = ("from botmesh_testkit.explore.story import Explorer, enqueue, fail, reply, reply_nan\n"
+STORY_IMPORTS = ("from botmesh_testkit.explore.story import Explorer, enqueue, fail, reply, reply_nan, slow\n"
                  "from botmesh_testkit.scenario import scenario\n")
 
 
@@ -149,6 +165,8 @@ def _plan(mid: str, drawn: list[tuple[Any, ...]]) -> list[Action]:
         kind = spec[0]
         if kind == "fail":
             out.append(fail(spec[1]))
+        elif kind == "slow":
+            out.append(slow(spec[1]))
         elif kind == "enqueue":
             out.append(enqueue(_text(mid, i, spec[2]), key=spec[1], n=spec[3]))
         elif kind == "reply_nan":
@@ -182,6 +200,7 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
         st.tuples(st.just("reply_nan"), maybe_key, words),
         st.tuples(st.just("enqueue"), st.sampled_from(KEYS), words, st.integers(2, 3)),
         st.tuples(st.just("fail"), st.integers(1, 2)),
+        st.tuples(st.just("slow"), st.sampled_from(SLOW_MS)),
     )
 
     class ExploreMachine(RuleBasedStateMachine):
@@ -195,6 +214,8 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
             self.text_limit: int | None = None
             self.default_id = False
             self.failed = False
+            self.volume = False
+            self.bursts = 0
             recorder.examples += 1
 
         def _step(self, line: str, make: Callable[[Explorer], Coroutine[Any, Any, None]]) -> None:
@@ -241,6 +262,27 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
             extra = "" if media is None else f", media={media!r}"
             self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r}{extra})",
                        lambda x: x.receive(chat, mid, actions, media))
+
+        @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4),
+              unreadable=st.sampled_from(UNREADABLE_MS))
+        def left_pending(self, chat: str, drawn: list[tuple[Any, ...]], unreadable: int) -> None:
+            self.count += 1
+            mid = f"m{self.count}"
+            actions = _plan(mid, drawn)
+            extra = f", unreadable={unreadable}" if unreadable else ""
+            self._step(f"await x.left_pending({chat!r}, {mid!r}, {actions!r}{extra})",
+                       lambda x: x.left_pending(chat, mid, actions, unreadable))
+
+        @initialize(volume=st.sampled_from((False,) * (VOLUME_ODDS - 1) + (True,)))
+        def volumes(self, volume: bool) -> None:
+            self.volume = volume  # a story with volumes: it may draw a burst (once)
+
+        @precondition(lambda self: self.volume and not self.bursts)
+        @rule(size=st.sampled_from(VOLUME_BURSTS))
+        def burst(self, size: tuple[int, int]) -> None:
+            n, per_second = size
+            self.bursts += 1
+            self._step(f"await x.burst({n}, {per_second})", lambda x: x.burst(n, per_second))
 
         @precondition(lambda self: self.count > 0)
         @rule(which=st.integers(0, 40))

@@ -57,6 +57,9 @@ class ProcessVerbs:
     s: Any
     world: Any
 
+    async def _quiet(self) -> None:
+        raise NotImplementedError  # Explorer's
+
     def _init_processes(self) -> None:
         self.bursts = 0
         self._side: Any = None  # (harness, backend) of the story's own handle on the storage
@@ -76,6 +79,7 @@ class ProcessVerbs:
         """A burst of :data:`PROCESSES` real processes running ``workload`` (one of
         :data:`WORKLOADS`) on the story's storage, under ``seed`` (each process's own
         order of keys and records); its outcome checked (see the module docstring)."""
+        await self._quiet()
         from ..backends.registry import resolve
         from ..checker.contention import check_cas_increments, check_claim_rounds, check_journal_race
         from ..conformance.durability.base import LEASE_MS, T0

@@ -27,7 +27,19 @@ apart):
 * no live process has a completion refused as stale (``stale_leases`` stays 0): no
   lease is taken from a live holder, whose heartbeats keep it (LEASE-1, LEASE-2, REPL-3);
 * the fencing token of a record never goes down from one look to the next (LEASE-2),
-  looked at after every step of a story that booted a replica.
+  looked at after every step of a story that booted a replica;
+* a replica starts on the storage (REPL-4): a boot whose ``start()`` raises — also one
+  inside a handler, whose error the engine only reports — leaves no replica alive, and
+  the next check names the error.
+
+On a backend on a server (the world's ``serial`` lock, :class:`~botmesh_testkit.crash.world.World`)
+the replica's backend calls run under the main bot's lock, one call of either process at
+a time: when both work at one virtual instant (a replay waking from a slow action as the
+other's sweep pass is due), the order of their calls is the program's, not the network's.
+A verb starts, and checks, only once the world is at rest
+(:meth:`~botmesh_testkit.explore.story.Explorer._quiet`): a boot that a handler of a
+background replay set off (a restart's recovery pass) has ended by then, so no verb
+meets a replica whose backend is still opening, and no restart cancels one half-booted.
 """
 
 from __future__ import annotations
@@ -67,6 +79,8 @@ class ReplicaVerbs:
         self.overlaps: list[tuple[str, int, int]] = []
         """(message, process running it, process that started it as well) while both lived."""
         self.token_errors: list[str] = []
+        self.boot_errors: list[str] = []
+        """Why a replica could not start (REPL-4)."""
         self._tokens: dict[tuple[str, str], int] = {}
         close = self.world.close
 
@@ -121,11 +135,14 @@ class ReplicaVerbs:
         from botmesh.core.bot import Bot
 
         from ..backends.registry import resolve
+        from ..crash.intercept import InterceptedBackend
         from ..crash.provider import ChannelProvider
 
         harness = resolve(self.s.backend)(self.s.harness.workdir)
         self._replica_harnesses.append(harness)
         backend, store = await harness.open()
+        if self.world.serial is not None:  # one call at a time with the main bot's (see the module docstring)
+            backend = InterceptedBackend(backend, serial=self.world.serial)  # type: ignore[abstract]
         self.replicas += 1
         n = self.replicas
         options = {"backend": backend, **self.world.options}
@@ -139,9 +156,22 @@ class ReplicaVerbs:
             bot.on(name, listener)
         self._install_as(bot, -n)
         self.replica_bot, self.replica_id = bot, instance_id
-        await bot.start()
+        try:
+            await bot.start()
+        except BaseException as exc:
+            # not alive: no verb may use a bot whose backend never opened (its first read would
+            # only say "not open yet"); a backend that cannot open for a second process breaks
+            # REPL-4, which the next check says — also when the boot ran inside a handler, whose
+            # error the engine reports and goes on
+            self.replica_bot = None
+            if isinstance(exc, Exception):
+                self.boot_errors.append(f"replica {n} could not start on the storage: {type(exc).__name__}: {exc}")
+            raise
 
     def _install_as(self, bot: Any, process: int) -> None:
+        raise NotImplementedError  # Explorer's
+
+    async def _quiet(self) -> None:
         raise NotImplementedError  # Explorer's
 
     async def _close_replicas(self) -> None:
@@ -159,6 +189,7 @@ class ReplicaVerbs:
         execution then holds its message's lease while the replica's first sweep pass
         runs: it waits 1 ms of virtual time after the boot) — as ``instance_id`` (None:
         the default of LEASE-3). At most one replica lives at a time."""
+        await self._quiet()
         if self.replica_bot is not None or self._armed_boot is not None:
             raise ValueError("replica(): a replica is already alive or armed; stop_replica() first")
         if during > 0:
@@ -169,6 +200,7 @@ class ReplicaVerbs:
 
     async def stop_replica(self) -> None:
         """The replica's process dies (an execution it had in flight is cut short)."""
+        await self._quiet()
         if self.replica_bot is None:
             return
         bot, self.replica_bot = self.replica_bot, None
@@ -186,6 +218,8 @@ class ReplicaVerbs:
         """The checks of the module docstring that need no look at the backend."""
         from .violation import ExploreViolation
 
+        for error in self.boot_errors:
+            raise ExploreViolation(("REPL-4",), f"{error}: the backend claims several live processes may share it")
         for mid, first, second in self.overlaps:
             ids = self._lease_ids("LEASE-1", "REPL-1")
             raise ExploreViolation(ids, f"the handler of message {mid} started in {self._name(second)} while it ran in "
@@ -211,6 +245,7 @@ class ReplicaVerbs:
         return f"main bot {main!r} ({how}), replica {other!r} ({other_how})"
 
     async def _after_replica_step(self) -> None:
+        await self._quiet()  # a replica's first sweep pass (its recovery) is over before the look
         await self._look_at_tokens()
         self.check()  # type: ignore[attr-defined]
 

@@ -23,7 +23,8 @@ its plan (the actions given with its first delivery) says — replies under deri
 explicit keys (a text longer than the channel's limit is split, OUT-12), replies whose
 content cannot be journaled (a NaN: bypasses the outbox, OUT-15), concurrent enqueues of
 one key (OUT-10), a raise on its first n executions (the record is done all the same,
-INB-6: a reprocessing after a crash runs it again, INB-9). A send the channel refuses
+INB-6: a reprocessing after a crash runs it again, INB-9), minutes of virtual time on a
+replay (:func:`slow`). A send the channel refuses
 for good ends in the outbox's DLQ; the handler catches
 :class:`~botmesh.core.errors.SendFailedError` and
 :class:`~botmesh.core.errors.SendDeferredError`, as a careful handler does, and the
@@ -55,7 +56,16 @@ What the model requires (each violation names its ids):
   exception, and such a message is processed all the same, never dead-lettered for its
   reference (MEDIA-2, MEDIA-3, MEDIA-5);
 * nothing reaches the channel that no handler sent, and no part twice unless an
-  ambiguity event named it (after every step);
+  ambiguity event named it — under ``resend`` once more per ambiguity, at most one per
+  death (after every step);
+* the sweep's timing and purging (:mod:`~botmesh_testkit.explore.sweeping`, verbs
+  :meth:`~Explorer.left_pending` — a record a dead process left pending, maybe
+  unreadable for a while — and :meth:`~Explorer.burst` — 600 messages to a second bot
+  whose retention is a minute — and the plan action :func:`slow`, a handler that takes
+  minutes on a replay): a due send retry reaches the channel within a bound of its
+  failure whatever a replayed handler does or another record's processing raises
+  (OUT-7, RETRY-1); a record left pending is replayed within a bound (INB-3); the burst
+  bot's journals keep no record past its retention and a minute (OPS-3);
 * with a second live process (:mod:`.replicas`): no handler running in two live
   processes at once, no completion of a live process refused as stale, fencing tokens
   that only grow (LEASE-1, LEASE-2, LEASE-3, REPL-1); a burst of real processes
@@ -84,9 +94,10 @@ from botmesh.core.testing import SimulatedCrash
 
 from .processes import ProcessVerbs
 from .replicas import ReplicaVerbs
+from .sweeping import SweepModel
 from .violation import ExploreViolation
 
-__all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan"]
+__all__ = ["Action", "ExploreViolation", "Explorer", "enqueue", "fail", "reply", "reply_nan", "slow"]
 
 INBOX_MAX_ATTEMPTS = 3
 """``inbox.max_attempts`` of the explored bots (small, so that the DLQ is reached)."""
@@ -103,7 +114,7 @@ DRAIN_CHUNK_MS = 60_000.0
 @dataclass(frozen=True)
 class Action:
     """One thing a message's handler does (build them with :func:`reply`,
-    :func:`reply_nan`, :func:`enqueue`, :func:`fail`)."""
+    :func:`reply_nan`, :func:`enqueue`, :func:`fail`, :func:`slow`)."""
 
     kind: str
     text: str = ""
@@ -111,8 +122,8 @@ class Action:
     n: int = 1
 
     def __repr__(self) -> str:
-        if self.kind == "fail":
-            return f"fail({self.n})"
+        if self.kind in ("fail", "slow"):
+            return f"{self.kind}({self.n})"
         args = [repr(self.text)]
         if self.key is not None:
             args.append(f"key={self.key!r}")
@@ -141,6 +152,14 @@ def fail(times: int) -> Action:
     return Action("fail", n=times)
 
 
+def slow(ms: int) -> Action:
+    """Take ``ms`` of virtual time here when the execution is a replay (the sweep's, of
+    a record a dead process left: a slow API on a cold start, a long job); a live
+    delivery passes. A replayed handler that takes long holds up no due send (issue
+    12)."""
+    return Action("slow", n=ms)
+
+
 @dataclass
 class _Message:
     chat: str
@@ -164,11 +183,16 @@ class _Send:
     kind: str
 
 
-class Explorer(ReplicaVerbs, ProcessVerbs):
+class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
     """A scenario's world driven by explore's verbs, with the model beside it (see the
-    module docstring). ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the
-    channel's limit (None: no split); ``default_id``: the bot runs on the default
-    ``instance_id`` (LEASE-3) instead of ``i1`` (see :mod:`.replicas`)."""
+    module docstring; the sweep's verbs and checks are :class:`~.sweeping.SweepModel`'s).
+    ``policy`` is ``outbox.on_ambiguous``; ``text_limit`` the channel's limit (None: no
+    split); ``default_id``: the bot runs on the default ``instance_id`` (LEASE-3) instead
+    of ``i1`` (see :mod:`.replicas`)."""
+
+    violation_type = ExploreViolation
+    message_type = _Message
+    outbox_retries = OUTBOX_RETRIES
 
     def __init__(self, s: Any, *, text_limit: int | None = None, policy: str = "skip",
                  on_diverged: str = "send", default_id: bool = False) -> None:
@@ -200,6 +224,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         self._wrap_download()
         self._init_replicas(default_id)
         self._init_processes()
+        self._init_sweep()
         s.setup(self._install)
 
     def _wrap_download(self) -> None:
@@ -221,6 +246,8 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
     # -- the bot --------------------------------------------------------------------------
     def _install(self, bot: Any) -> None:
         self._install_as(bot, self.world.incarnations + 1)
+        if self.world.crashable is not None:
+            self._poison(self.world.crashable)
 
     def _install_as(self, bot: Any, process: int) -> None:
         """The plan handler and the hook counter on ``bot``, the process ``process``
@@ -230,7 +257,6 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
             self.hooks[(process, str(content.get("text", "")))] += 1
 
         bot.before("send")(hook)
-
         bot.otherwise(self._tracked(process, self._handle))
 
     async def _handle(self, ctx: Any) -> None:
@@ -238,6 +264,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         if msg is None:
             return
         msg.executions += 1
+        self._started(msg.mid)
         derived = 0
         if msg.media is not None:
             await self._load_media(ctx, msg)
@@ -247,6 +274,10 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
                     if msg.fail_passes[i] < act.n:
                         msg.fail_passes[i] += 1
                         raise RuntimeError(f"explore: {msg.mid} fails at action {i}")
+                    continue
+                if act.kind == "slow":
+                    if id(ctx.event) not in self.live:  # a replay (a live delivery is quick)
+                        await self._slow(act.n)
                     continue
                 if act.kind == "enqueue":
                     assert act.key is not None
@@ -282,8 +313,10 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
                     raise
         except Exception:
             msg.raised += 1
+            self.finished_in[msg.mid][self.world.incarnations] += 1
             raise
         msg.completed += 1
+        self.finished_in[msg.mid][self.world.incarnations] += 1
 
     async def _load_media(self, ctx: Any, msg: _Message) -> None:
         """``load_media_of(ctx)``: the bytes of a valid reference, None for any other —
@@ -329,8 +362,29 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
             self.crashes += 1
 
     # -- verbs ----------------------------------------------------------------------------
+    async def _quiet(self) -> None:
+        """Let the world come to rest: every callback the event loop has ready has run,
+        and no unit of busy work — a delivery, a sweep pass, a replay, a heartbeat, a
+        replica booting inside a handler — has I/O in flight (the virtual clock's
+        ``settle``). Every verb starts from there, and looks at the model only from
+        there: what a verb does, where an armed death lands and what a check sees then
+        depend on the story alone, never on how fast the backend answered. Explore runs
+        each verb as a task of its own, a story replayed as a scenario awaits them one
+        after the other in one coroutine — from the same rest both run the same
+        interleavings. (A background pass or boot a verb set off — a restart's recovery
+        pass, a replica's first sweep — would otherwise still be talking to the backend
+        when the next verb began: a second bot used before its backend was open, a death
+        armed at a crash point counted while another task passed some.)"""
+        await self.world.clock.settle()
+
+    async def _checked(self) -> None:
+        """The model's check after a verb, from rest (:meth:`_quiet`)."""
+        await self._quiet()
+        self.check()
+
     async def start(self) -> None:
         """Start the first incarnation (dying where :meth:`crash_in` arms)."""
+        await self._quiet()
         await self.world.start(crash=True)
 
     async def _deliver(self, msg: _Message, bot: Any = None) -> None:
@@ -346,11 +400,14 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         task = asyncio.ensure_future((bot or self.world.bot).provider.deliver(event))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
+        self.live[id(event)] = event
         try:
             ok = await self.world.drive(task)
         except SimulatedCrash:
             self._note_death()
             return
+        finally:
+            del self.live[id(event)]
         if ok:
             msg.acked = True
 
@@ -374,6 +431,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         journaled before this delivery, as a dead process left it — ``legacy`` or
         ``tampered`` (see :meth:`_journal_before`). Its handler loads the media first.
         With ``replica``, to the live replica (:meth:`replica`) instead of the bot."""
+        await self._quiet()
         if replica:
             if self.replica_bot is None:
                 raise ValueError("receive(replica=True): no replica is alive; boot one with replica()")
@@ -395,15 +453,17 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
                 except SimulatedCrash:  # a crash armed at this write: the process dies here
                     self._note_death()
         await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def redeliver(self, mid: str) -> None:
         """The channel delivers ``mid`` again (a webhook retry, INB-4)."""
+        await self._quiet()
         await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def crash_in(self, n: int, when: str = "before") -> None:
         """Arm a death ``when`` the ``n``-th crash point from now (any point)."""
+        await self._quiet()
         cb = self.world.crashable
         if cb is not None and not cb.crashed:
             cb.crash_at(cb._total + n, when)
@@ -412,6 +472,8 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         """The process dies (if it has not) and the next starts — with another
         ``instance_id`` when ``new_instance`` — then the channel redelivers every
         message it has not had acknowledged."""
+        await self._quiet()
+        self._note_deaths()
         if new_instance:
             self.instance += 1
             self.world.instance_id = f"i{self.instance}"
@@ -426,13 +488,14 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         for mid in self.order:
             if not self.messages[mid].acked:
                 await self._deliver(self.messages[mid])
-        self.check()
+        await self._checked()
 
     async def fault(self, kind: str, chat: str | None = None, times: int = 1, skip: int = 0) -> None:
         """The channel fails: ``transient`` (the next ``times`` sends, after ``skip``
         sends that pass — a later part of a split text, OUT-9), ``rate`` (rate limited,
         retry after 20 s), ``refuse`` (every send to ``chat`` from now on,
         definitively)."""
+        await self._quiet()
         ch = self.world.channel
         if kind == "refuse":
             assert chat is not None
@@ -461,17 +524,19 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
 
     async def advance(self, ms: float) -> None:
         """Let ``ms`` of virtual time pass."""
+        await self._quiet()
         if not self.world.crashed:
             try:
                 await self.world.clock.advance(ms)
             except SimulatedCrash:
                 self._note_death()
-        self.check()
+        await self._checked()
 
     async def finish(self) -> None:
         """The end of the story: a dead process is restarted, every message is
         redelivered until acknowledged, time passes until everything settled; then the
         model's whole check."""
+        await self._quiet()
         for _ in range(4):
             if self.world.crashed:
                 await self.restart()
@@ -492,8 +557,9 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         """Let up to ``FINISH_MS`` pass until everything settled, checking the model every
         ``DRAIN_CHUNK_MS``: a backend that resends for ever fails at its first duplicate,
         not after an hour of virtual time swept second by second."""
-        end = self.world.clock.now() + FINISH_MS
+        end = self.world.clock.now() + FINISH_MS + self.slow_total()
         while not self.world.crashed and self.world.clock.now() < end:
+            await self.skip_busy(end)  # nothing can settle while a handler sleeps: no look every second
             before = self.world.clock.now()
             await self.world.drain(min(DRAIN_CHUNK_MS, end - before))
             self.check()
@@ -526,6 +592,14 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
         first_fail = next((i for i, a in enumerate(msg.actions) if a.kind == "fail"), len(msg.actions))
         return msg.completed > 0 or (msg.raised > 0 and send.index < first_fail)
 
+    def _arrived_unreached(self, key: str, done: set[str]) -> bool:
+        """Whether a send under the explicit ``key`` of a message that did not end
+        ``done`` (dead-lettered after executions cut short, its sends journaled all the
+        same) reached the channel: the later sends under that key are that one send."""
+        got = self._delivered()
+        return any(s.key == key and not self._reached(s, done) and any(got[(s.chat, p)] for p in self._parts(s.text))
+                   for s in self._sends())
+
     def _key_of(self, send: _Send) -> str:
         """The send's key: the one given, or the derived ``<record id>:<n>`` (OUT-3)."""
         if send.key is not None:
@@ -539,6 +613,13 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
 
     def _ambiguities(self) -> int:
         return len(self.world.named("durability:ambiguous"))
+
+    def _arrivals_allowed(self) -> int:
+        """How often a part may arrive under ``on_ambiguous=resend``: once, and once more
+        per ambiguity — at least one, at most one per death (an ambiguity of a correct
+        engine takes a death with a send in flight)."""
+        self._note_deaths()
+        return max(2, 1 + min(self._ambiguities(), self.crashes))
 
     def _delivered(self) -> Counter[tuple[str, str]]:
         return Counter((m.chat_id, str(m.content.get("text"))) for m in self.world.channel.sent)
@@ -563,10 +644,10 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
                 if n > self.bypass_reached[found.text]:
                     raise ExploreViolation(("OUT-15",), f"the unjournaled send {text!r} reached the channel {n} times, "
                                            f"more than the {self.bypass_reached[found.text]} executions that made it")
-            elif n > 1 and not (ambiguous and self.policy == "resend" and n <= 2):
-                # under on_ambiguous=resend an ambiguity allows one resend of a part (OUT-14), as
-                # the end's check says: a backend that resends for ever fails here, at its third
-                # arrival, not after an hour of virtual time
+            elif n > 1 and not (ambiguous and self.policy == "resend" and n <= self._arrivals_allowed()):
+                # under on_ambiguous=resend each ambiguity allows one resend of a part (OUT-14; a
+                # send in flight at two deaths is ambiguous twice), as the end's check says: a
+                # backend that resends for ever fails here, not after an hour of virtual time
                 raise ExploreViolation(("GUAR-3", "OUT-2", "OUT-12", "OUT-14"),
                                        f"{text!r} (message {found.mid}, action {found.index}) reached chat {chat!r} {n} "
                                        "times" + (f"; {self._ambiguities()} ambiguity event(s), naming "
@@ -582,6 +663,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
                 raise ExploreViolation(("OUT-9",), f"{error} of the send under the key {expected!r} names the key "
                                        f"{named!r}: the outbox key of a send with an explicit key is that key")
         self.check_replicas()
+        self.check_sweep()
 
     def _check_hooks(self) -> None:
         journaled = {s.text for s in self._sends() if s.kind != "reply_nan"}
@@ -621,10 +703,14 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
                                        f"message {mid}, whose stored media reference is {msg.media}, went to the DLQ "
                                        f"after {msg.executions} execution(s) of its handler and {self.crashes} death(s): "
                                        "a bad reference costs only the download, never the message")
-            if rec.state == "dead" and (finished or self.crashes < INBOX_MAX_ATTEMPTS):
+            # an execution that finished in an incarnation that died since may have died before its
+            # record was completed: from the journal's side it never finished (INB-7)
+            settled = self.finished_in.get(mid, Counter())[self.world.incarnations]
+            if rec.state == "dead" and (settled or self.crashes < INBOX_MAX_ATTEMPTS):
                 raise ExploreViolation(("INB-6", "INB-7", "GUAR-7"),
                                        f"message {mid} went to the DLQ after {msg.executions} execution(s), "
-                                       f"{finished} of them finished, {self.crashes} death(s) in all "
+                                       f"{finished} of them finished ({settled} in the live process), "
+                                       f"{self.crashes} death(s) in all "
                                        f"(inbox.max_attempts={INBOX_MAX_ATTEMPTS}): only executions that never "
                                        "finish are charged, and a handler that raises is not retried")
             if (rec.state == "dead") != (mid in dead_in):
@@ -665,6 +751,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
             if arrived:
                 exact.extend(s for s in sends if s.text == arrived[0])
             elif (key not in derived_keys and not ambiguous and not any(s.chat in self.dead_chats for s in sends)
+                  and not self._arrived_unreached(key, done)
                   and not any(contentlib.send_key_of(k, r.part) == key for k, r in dead_out.items())):
                 raise ExploreViolation(("GUAR-1", "OUT-2", "OUT-12"),
                                        f"nothing sent under the key {key!r} reached the channel, though "
@@ -685,7 +772,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs):
             if ambiguous:
                 if self.policy == "skip" and all(c <= 1 for c in counts):
                     continue
-                if self.policy == "resend" and all(1 <= c <= 2 for c in counts):
+                if self.policy == "resend" and all(1 <= c <= self._arrivals_allowed() for c in counts):
                     continue
             raise ExploreViolation(("GUAR-1", "GUAR-3", "OUT-12", "OUT-14"),
                                    f"the send {send.text!r} of message {send.mid} (key {self._key_of(send)!r}) must "

@@ -677,8 +677,10 @@ class DurabilityRuntime(Generic[CtxT]):
         self._count("outbox_journaled")
         if len(parts) > 1:
             await self._journal_parts(rec, parts, resumed=False)
-            if not await self.backend.outbox_split(self.scope, key, token=None, content=parts[0]):
-                self._count("stale_leases")
+            # declined: a sweep (of this process or another) claimed the record, pending and due
+            # since it was journaled, and splits it itself — no lease of ours was taken, so
+            # nothing for stale_leases (LEASE-2); the claim below finds it taken
+            await self.backend.outbox_split(self.scope, key, token=None, content=parts[0])
             rec = rec.copy(content=parts[0])
         return rec, True
 
