@@ -229,3 +229,20 @@ def test_a_replica_that_cannot_start_is_not_alive_and_the_check_names_why(tmp_pa
     assert error is not None and error.ids == ("REPL-4",), error
     assert "replica 1 could not start on the storage: BackendUnavailableError: explore test: the file cannot be " \
            "opened by a second process" in error.message, error.message
+
+
+@pytest.mark.spec("OPS-3", "REPL-1")
+def test_a_multi_process_backend_draws_both_kinds_of_burst() -> None:
+    """OPS-3: on a backend claiming ``multi_process`` the stories draw the volume burst
+    (``x.burst(600, 20)``) as well as the burst of real processes. Both rules were named
+    ``burst``: the second replaced the first, so sqlite, PostgreSQL and Redis never drew
+    a volume burst."""
+    import inspect
+
+    from botmesh_testkit.explore.machine import _machine, _Recorder
+
+    with_processes = _machine("sqlite", _Recorder(), True, True, ("cas",))
+    assert "size" in inspect.signature(with_processes.burst).parameters, "OPS-3: the volume burst is not drawn"
+    assert "workload" in inspect.signature(with_processes.process_burst).parameters
+    alone = _machine("memory", _Recorder(), True, False, ())
+    assert "size" in inspect.signature(alone.burst).parameters and not hasattr(alone, "process_burst")
