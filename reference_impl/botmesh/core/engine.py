@@ -119,7 +119,6 @@ class DurabilityRuntime(Generic[CtxT]):
         self._recovered = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweep_task: asyncio.Task[None] | None = None
-        self._sweep_stopped = False
         self._local_inbound: set[str] = set()
         self._fresh_inbound: set[str] = set()
         """Inbound records journaled by :meth:`admit` in this process and running their
@@ -140,7 +139,6 @@ class DurabilityRuntime(Generic[CtxT]):
         self._recovered = False
         self._replays.reset()
         await self.backend.start()
-        self._sweep_stopped = False
         self._sweep_task = asyncio.ensure_future(self._sweep_loop())
 
     async def stop(self) -> None:
@@ -156,13 +154,11 @@ class DurabilityRuntime(Generic[CtxT]):
         """Cancel every task of this runtime and wait for each to end. A cancellation a
         library swallowed (Python 3.11's ``asyncio.wait_for`` loses it when its inner
         future completes at the same moment: psycopg-pool's wait for a connection is
-        one) would leave the sweep loop running for ever and this wait with it: the
-        cancelled sweep loop ends at its next turn anyway, and whatever still runs is
-        cancelled again every :data:`CANCEL_AGAIN_S` seconds."""
+        one) would leave the sweep loop running for ever and this wait with it: whatever
+        still runs is cancelled again every :data:`CANCEL_AGAIN_S` seconds."""
         tasks = list(self._tasks)
         if self._sweep_task is not None:
             tasks.append(self._sweep_task)
-        self._sweep_stopped = True
         pending = set(tasks)
         while pending:
             for t in pending:
@@ -347,7 +343,7 @@ class DurabilityRuntime(Generic[CtxT]):
 
     # -- the sweep (its machinery: sweep.py) ---------------------------------------------
     async def _sweep_loop(self) -> None:
-        while not self._sweep_stopped:
+        while True:
             with self.clock.busy():
                 try:
                     await self.sweep()

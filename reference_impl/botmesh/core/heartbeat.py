@@ -68,24 +68,23 @@ class FirstBeats:
 
 
 class Heartbeat:
-    """``async with Heartbeat(clock, beat, lease_ms)``: ``await beat(now + lease_ms)``
-    every ``lease_ms / 3`` while the block runs, until a beat returns False. On the real
-    clock the wait for the first beat is a timer, not a task: most blocks end before it,
-    and then no task was made; with ``first_beats`` that timer is shared by all the
-    blocks of a runtime (:class:`FirstBeats`). A beat that died of a ``BaseException``
+    """``async with Heartbeat(clock, beat, lease_ms, first_beats)``: ``await beat(now +
+    lease_ms)`` every ``lease_ms / 3`` while the block runs, until a beat returns False.
+    On the real clock the wait for the first beat is the timer of ``first_beats``, shared
+    by all the blocks of a runtime (:class:`FirstBeats`), not a task: most blocks end
+    before it, and then no task was made. A beat that died of a ``BaseException``
     that is not an ``Exception`` (a simulated process death) is raised when the block
     ends."""
 
-    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_timer", "_first_beats")
+    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_first_beats")
 
     def __init__(
-        self, clock: Clock, beat: Callable[[float], Awaitable[bool]], lease_ms: float, first_beats: FirstBeats | None = None
+        self, clock: Clock, beat: Callable[[float], Awaitable[bool]], lease_ms: float, first_beats: FirstBeats
     ) -> None:
         self._clock = clock
         self._beat = beat
         self._lease_ms = lease_ms
         self._tasks: list[asyncio.Task[None]] = []
-        self._timer: asyncio.TimerHandle | None = None
         self._first_beats = first_beats
 
     async def _beats(self, sleep_first: bool) -> None:
@@ -103,21 +102,14 @@ class Heartbeat:
 
     async def __aenter__(self) -> None:
         if type(self._clock) is RealClock:
-            delay_s = max(0.0, self._lease_ms / 3.0) / 1000.0
-            if self._first_beats is not None:
-                self._first_beats.add(self, delay_s)
-            else:
-                self._timer = asyncio.get_running_loop().call_later(delay_s, self._start, False)
+            self._first_beats.add(self, max(0.0, self._lease_ms / 3.0) / 1000.0)
         else:
             self._start(True)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._first_beats is not None:
-            self._first_beats.remove(self)
-        if self._timer is not None:
-            self._timer.cancel()
+        self._first_beats.remove(self)
         for task in self._tasks:
             task.cancel()
             await asyncio.wait({task})
