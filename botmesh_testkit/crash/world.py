@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from botmesh.core.backend import DurabilityBackend
 from botmesh.core.bot import Bot
 from botmesh.core.clock import VirtualClock
 from botmesh.core.errors import BackendUnavailableError
@@ -128,8 +129,7 @@ class World:
             provider = CrashableProvider(self.crashable, self.channel)
         else:
             self.crashable = None
-            if self.serial is not None:
-                backend = InterceptedBackend(backend, serial=self.serial)  # type: ignore[abstract]
+            backend = self.serialized(backend)
             provider = ChannelProvider(self.channel)
         options = {"backend": backend, "instance_id": self.instance_id, **self.options, **durability}
         bot = Bot(provider, store, options, clock=self.clock, rng=random.Random(self.rng.random()))
@@ -147,6 +147,14 @@ class World:
         except SimulatedCrash:
             pass
         return bot
+
+    def serialized(self, backend: DurabilityBackend) -> DurabilityBackend:
+        """``backend`` with its calls under this world's ``serial`` lock (one call at a
+        time with every other bot of the world: a replica, a second bot), or ``backend``
+        itself when the world has none."""
+        if self.serial is None:
+            return backend
+        return InterceptedBackend(backend, serial=self.serial)  # type: ignore[abstract]
 
     @property
     def crashed(self) -> bool:

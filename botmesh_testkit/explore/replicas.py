@@ -135,14 +135,12 @@ class ReplicaVerbs:
         from botmesh.core.bot import Bot
 
         from ..backends.registry import resolve
-        from ..crash.intercept import InterceptedBackend
         from ..crash.provider import ChannelProvider
 
         harness = resolve(self.s.backend)(self.s.harness.workdir)
         self._replica_harnesses.append(harness)
         backend, store = await harness.open()
-        if self.world.serial is not None:  # one call at a time with the main bot's (see the module docstring)
-            backend = InterceptedBackend(backend, serial=self.world.serial)  # type: ignore[abstract]
+        backend = self.world.serialized(backend)  # one call at a time with the main bot's (module docstring)
         self.replicas += 1
         n = self.replicas
         options = {"backend": backend, **self.world.options}

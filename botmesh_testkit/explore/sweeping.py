@@ -41,8 +41,6 @@ from botmesh.core.records import InboxRecord
 from botmesh.core.store import MemoryStore
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
-from ..crash.intercept import InterceptedBackend
-
 __all__ = ["BURST_BOT", "BURST_RETENTION_MS", "PURGE_GRACE_MS", "RETRY_BOUND_MS", "SweepModel"]
 
 BURST_BOT = "burst"
@@ -231,8 +229,7 @@ class SweepModel:
         self.volume_bursts += 1
         tag = f"b{self.volume_bursts}"
         backend = self.world.crashable.inner if self.world.crashable is not None else self.world.bot.durability.backend
-        if self.world.serial is not None:  # one call at a time with the explored bot's (as a replica's)
-            backend = InterceptedBackend(backend, serial=self.world.serial)  # type: ignore[abstract]
+        backend = self.world.serialized(backend)  # one call at a time with the explored bot's (as a replica's)
         bot = Bot(MockProvider(), MemoryStore(), {"backend": backend, "instance_id": BURST_BOT,
                                                   "retention": BURST_RETENTION_MS, "poll_ms": 1000.0},
                   clock=self.world.clock, bot_id=BURST_BOT)
