@@ -51,6 +51,28 @@ def test_explore_holds_on_the_embedded_backends(backend: str) -> None:
     assert not run.cut_by_time and run.examples >= 30 and run.steps > run.examples, run.summary()
 
 
+@pytest.mark.spec("TEST-4")
+def test_the_stories_counted_are_the_stories_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The summary's "N stories" counts the stories that began (their bot started), not
+    the machines Hypothesis made: an example could end after its first step, which was
+    the volume draw, not the beginning (30 examples on memory printed 34 stories, 32 had
+    begun; 26 of 32 on sqlite)."""
+    from botmesh_testkit.explore import story
+
+    started: list[object] = []
+    real_start = story.Explorer.start
+
+    async def counted_start(self: Any) -> None:
+        started.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(story.Explorer, "start", counted_start)
+    run = explore("memory", examples=30, seconds=600, seed=5)
+    assert run.failure is None, run.summary()
+    assert run.examples == len(started), (run.examples, len(started))
+    assert f"{len(started)} stories" in run.summary(), run.summary()
+
+
 @pytest.mark.spec("GUAR-3", "OUT-2", "OUT-14", "TEST-4")
 def test_a_backend_that_forgets_sent_is_caught_and_its_story_replays(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(thirdparty=FORGETS_SENT)
@@ -246,3 +268,48 @@ def test_a_multi_process_backend_draws_both_kinds_of_burst() -> None:
     assert "workload" in inspect.signature(with_processes.process_burst).parameters
     alone = _machine("memory", _Recorder(), True, False, ())
     assert "size" in inspect.signature(alone.burst).parameters and not hasattr(alone, "process_burst")
+
+
+async def _lease_naming_before_and_after_a_new_instance(workdir: str) -> Any:
+    from botmesh_testkit.backends.registry import resolve
+    from botmesh_testkit.explore.story import Explorer, ExploreViolation
+    from botmesh_testkit.scenario.api import Scenario
+
+    s = Scenario(resolve("sqlite")(workdir), backend="sqlite", ids=IDS, policy="skip", origin="explore")
+    x = Explorer(s, default_id=True)
+    seen: list[ExploreViolation] = []
+
+    def overlap_seen() -> None:  # what the model concludes from one overlap of two live processes
+        x.overlaps.append(("m1", 1, -1))
+        try:
+            x.check_replicas()
+        except ExploreViolation as exc:
+            seen.append(exc)
+        finally:
+            x.overlaps.clear()
+
+    try:
+        await x.start()
+        overlap_seen()  # no replica alive yet
+        await x.replica(None)
+        overlap_seen()  # both on the default instance_id
+        await x.restart(new_instance=True)
+        overlap_seen()  # the main bot now runs on an explicit one
+        return seen
+    finally:
+        await x.world.close()
+
+
+@pytest.mark.spec("LEASE-3", "REPL-1")
+def test_lease3_is_named_only_while_both_processes_run_on_the_default_instance_id(tmp_path: Path) -> None:
+    """A story begun on the default instance_id whose main bot restarted with a new one:
+    two processes overlapping are no longer LEASE-3's case (it was named from the story's
+    flag), and the text says which ids run — and says so plainly when no replica lives."""
+    import asyncio
+
+    first, both_default, after = asyncio.run(_lease_naming_before_and_after_a_new_instance(str(tmp_path)))
+    assert "no replica alive" in first.message and "'none alive'" not in first.message, first.message
+    assert "LEASE-3" in both_default.ids, (both_default.ids, both_default.message)
+    assert "the default instance_id" in both_default.message, both_default.message
+    assert "LEASE-3" not in after.ids, (after.ids, after.message)
+    assert "an explicit instance_id" in after.message, after.message

@@ -216,7 +216,6 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
             self.failed = False
             self.volume = False
             self.bursts = 0
-            recorder.examples += 1
 
         def _step(self, line: str, make: Callable[[Explorer], Coroutine[Any, Any, None]]) -> None:
             assert self.x is not None
@@ -239,14 +238,21 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
                     recorder.found_after = recorder.examples
                 raise exc from None
 
+        # One initialize rule, so a story's first step is always its beginning: Hypothesis
+        # draws the first step of every example, but may end one after it, and with a
+        # second initialize rule (the volume draw had its own) an example could end
+        # before ``begin`` ran — no story, yet it was counted as one.
         drawn_first: dict[str, Any] = {"policy": st.sampled_from(("skip", "resend")),
-                                       "text_limit": st.sampled_from(TEXT_LIMITS)}
+                                       "text_limit": st.sampled_from(TEXT_LIMITS),
+                                       "volume": st.sampled_from((False,) * (VOLUME_ODDS - 1) + (True,))}
         if replicas:  # only then: the stories of other backends draw as before
             drawn_first["default_id"] = st.booleans()
 
         @initialize(**drawn_first)
-        def begin(self, policy: str, text_limit: int | None, default_id: bool = False) -> None:
+        def begin(self, policy: str, text_limit: int | None, volume: bool, default_id: bool = False) -> None:
             self.policy, self.text_limit, self.default_id = policy, text_limit, default_id
+            self.volume = volume  # a story with volumes: it may draw a burst (once)
+            recorder.examples += 1  # a story counts once it has begun, not when Hypothesis makes its machine
             harness = resolve(backend)(self.tmp.name)
             s = Scenario(harness, backend=backend, ids=IDS, policy=policy, origin="explore")
             self.x = Explorer(s, text_limit=text_limit, policy=policy, default_id=default_id)
@@ -256,12 +262,15 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
         @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4),
               media=st.sampled_from(MEDIA))
         def receive(self, chat: str, drawn: list[tuple[Any, ...]], media: str | None) -> None:
+            self._receive(chat, drawn, media, replica=False)
+
+        def _receive(self, chat: str, drawn: list[tuple[Any, ...]], media: str | None, *, replica: bool) -> None:
             self.count += 1
             mid = f"m{self.count}"
             actions = _plan(mid, drawn)
-            extra = "" if media is None else f", media={media!r}"
+            extra = ("" if media is None else f", media={media!r}") + (", replica=True" if replica else "")
             self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r}{extra})",
-                       lambda x: x.receive(chat, mid, actions, media))
+                       lambda x: x.receive(chat, mid, actions, media, replica=replica))
 
         @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4),
               unreadable=st.sampled_from(UNREADABLE_MS))
@@ -272,10 +281,6 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
             extra = f", unreadable={unreadable}" if unreadable else ""
             self._step(f"await x.left_pending({chat!r}, {mid!r}, {actions!r}{extra})",
                        lambda x: x.left_pending(chat, mid, actions, unreadable))
-
-        @initialize(volume=st.sampled_from((False,) * (VOLUME_ODDS - 1) + (True,)))
-        def volumes(self, volume: bool) -> None:
-            self.volume = volume  # a story with volumes: it may draw a burst (once)
 
         @precondition(lambda self: self.volume and not self.bursts)
         @rule(size=st.sampled_from(VOLUME_BURSTS))
@@ -327,12 +332,7 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
             @rule(chat=st.sampled_from(CHATS), drawn=st.lists(action, min_size=1, max_size=4),
                   media=st.sampled_from(REPLICA_MEDIA))
             def receive_at_replica(self, chat: str, drawn: list[tuple[Any, ...]], media: str | None) -> None:
-                self.count += 1
-                mid = f"m{self.count}"
-                actions = _plan(mid, drawn)
-                extra = "" if media is None else f", media={media!r}"
-                self._step(f"await x.receive({chat!r}, {mid!r}, {actions!r}{extra}, replica=True)",
-                           lambda x: x.receive(chat, mid, actions, media, replica=True))
+                self._receive(chat, drawn, media, replica=True)
 
             @precondition(lambda self: self.x is not None and self.x.replica_bot is not None)
             @rule()

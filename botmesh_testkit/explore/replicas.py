@@ -209,7 +209,9 @@ class ReplicaVerbs:
 
     # -- the model ------------------------------------------------------------------------
     def _lease_ids(self, *base: str) -> tuple[str, ...]:
-        both_default = self.default_id and self.replica_id is None
+        # the main bot's id now, not the story's flag: a restart with a new instance_id
+        # leaves the default behind
+        both_default = self.world.instance_id is None and self.replica_id is None
         return (*base, "LEASE-3") if both_default else base
 
     def check_replicas(self) -> None:
@@ -237,10 +239,11 @@ class ReplicaVerbs:
 
     def _instances(self) -> str:
         main = self.world.bot.durability.instance_id if self.world.bot is not None else "?"
-        other = self.replica_bot.durability.instance_id if self.replica_bot is not None else "none alive"
-        how = "the default instance_id" if self.default_id else "an explicit instance_id"
+        how = "the default instance_id" if self.world.instance_id is None else "an explicit instance_id"
+        if self.replica_bot is None:
+            return f"main bot {main!r} ({how}), no replica alive"
         other_how = "the default" if self.replica_id is None else "an explicit one"
-        return f"main bot {main!r} ({how}), replica {other!r} ({other_how})"
+        return f"main bot {main!r} ({how}), replica {self.replica_bot.durability.instance_id!r} ({other_how})"
 
     async def _after_replica_step(self) -> None:
         await self._quiet()  # a replica's first sweep pass (its recovery) is over before the look
