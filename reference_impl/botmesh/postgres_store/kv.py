@@ -680,31 +680,30 @@ class PostgresKv(DurableKv):
     # -- schema --------------------------------------------------------------------
 
     async def _prepare(self, conn: Conn) -> _Statements:
-        """Resolve the schema, create what is missing (BACK-2), compose the statements."""
-        schema = self._schema_option
-        if schema is None:
-            cursor = await conn.execute("SELECT current_schema()")
-            row = await cursor.fetchone()
-            schema = None if row is None else row[0]
-            if schema is None:
-                raise BackendUnavailableError(
-                    f"PostgreSQL {self._table}: no schema to keep the table in: the connection's search_path "
-                    "names no existing schema (set search_path, or give the `schema` option)",
-                    table=self._table,
-                )
-        self._schema = schema
-        names = [self._table, f"{self._table}_due", f"{self._table}_expires"]
+        """Resolve the schema, create what is missing (BACK-2), compose the statements.
+        One statement resolves the schema (the option, else ``current_schema()``) and
+        looks up the schema, the table and its two indexes in it: one round trip when
+        everything exists."""
         cursor = await conn.execute(
-            "SELECT to_regnamespace(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL,"
-            " to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
-            (
-                sql.Identifier(schema).as_string(conn),
-                *(sql.Identifier(schema, name).as_string(conn) for name in names),
-            ),
+            "SELECT s, to_regnamespace(quote_ident(s)) IS NOT NULL,"
+            " to_regclass(format('%%I.%%I', s, %s::text)) IS NOT NULL,"
+            " to_regclass(format('%%I.%%I', s, %s::text)) IS NOT NULL,"
+            " to_regclass(format('%%I.%%I', s, %s::text)) IS NOT NULL"
+            " FROM (SELECT coalesce(%s::text, current_schema()) AS s) AS resolved",
+            (self._table, f"{self._table}_due", f"{self._table}_expires", self._schema_option),
         )
         found = await cursor.fetchone()
-        if found is None or not all(found):
-            await self._create(conn, schema, create_schema=found is None or not found[0])
+        schema = None if found is None else found[0]
+        if schema is None:
+            raise BackendUnavailableError(
+                f"PostgreSQL {self._table}: no schema to keep the table in: the connection's search_path "
+                "names no existing schema (set search_path, or give the `schema` option)",
+                table=self._table,
+            )
+        self._schema = schema
+        assert found is not None
+        if not all(found[1:]):
+            await self._create(conn, schema, create_schema=not found[1])
         return _Statements(sql.Identifier(schema, self._table), conn)
 
     async def _create(self, conn: Conn, schema: str, *, create_schema: bool) -> None:
