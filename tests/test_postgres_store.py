@@ -792,6 +792,9 @@ def test_bad_sources_and_options_are_config_errors_naming_the_option(pg_url: str
         ({"connection_string": pg_url, "query_timeout": float("nan")}, "query_timeout"),
         ({"connection_string": pg_url, "query_timeout": True}, "query_timeout"),
         ({"connection_string": pg_url, "query_timeout": "30"}, "query_timeout"),
+        ({"connection_string": pg_url, "connection_class": psycopg.Connection}, "connection_class"),
+        ({"connection_string": pg_url, "connection_class": "psycopg.AsyncConnection"}, "connection_class"),
+        ({"pool": pool, "connection_class": psycopg.AsyncConnection}, "connection_class"),
     ]
     for kwargs, option in cases:
         with pytest.raises(ConfigError) as info:
@@ -953,6 +956,78 @@ async def test_harness_kv_factory_gives_kvs_on_its_table(pg_url: str, tmp_path: 
     await second.close()
     await harness.close()
     assert not await table_exists(pg_url, first.table)
+
+
+@pytest.mark.spec("BACK-2")
+async def test_the_own_pool_connects_with_the_connection_class_given(pg_url: str, prefix: str) -> None:
+    """``connection_class``: the kv's own pool makes its connections with it (and they
+    work as any other)."""
+    made: list[psycopg.AsyncConnection[Any]] = []
+
+    class Counted(psycopg.AsyncConnection[Any]):
+        @classmethod
+        async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
+            conn = await super().connect(conninfo, **kwargs)
+            made.append(conn)
+            return conn
+
+    kv = PostgresKv(connection_string=pg_url, table_prefix=prefix, connection_class=Counted)
+    await kv.open()
+    try:
+        await kv.put("s", "inbox", "k", {"n": 1}, expected_version=0)
+        assert await kv.get("s", "inbox", "k") == Versioned({"n": 1}, 1)
+        assert made and all(type(conn) is Counted for conn in made)
+    finally:
+        await kv.close()
+
+
+def janitor(url: str) -> int:
+    """The server pid of the connection that empties the reused tables of ``url``."""
+    from botmesh_testkit.backends import postgres as harnesses
+
+    return int(harnesses._JANITORS[url].info.backend_pid)
+
+
+@pytest.mark.spec("TEST-3", "TEST-4")
+async def test_a_matrix_harness_opens_the_restarts_connection_ahead(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """With ``reuse_storage()`` (the crash matrix): the first incarnation's pool connects
+    and one more session is opened beside it; the restarted incarnation's pool takes that
+    session (no new one), the old incarnation's sessions being gone, and finds what the
+    first one committed. ``close()`` ends every session but the emptying one."""
+    url, app = tagged(pg_url)
+    harness = PostgresHarness(str(tmp_path), url=url)
+    assert harness.reuse_storage() is True
+    backend, _ = await harness.open()
+    await backend.start()
+    await backend.inbox_journal("s", InboxRecord(id="m1", chat_id="c", state="pending", next_at=0.0))
+    first = await wait_for_backends(pg_url, app, 2)
+    assert len(first) == 2
+    again, _ = await harness.reopen()
+    await again.start()
+    found = await again.inbox_get("s", "m1")
+    assert found is not None and found.state == "pending"
+    after = await wait_for_backends(pg_url, app, 1)
+    assert len(after) == 1 and after[0] in first
+    await harness.close()
+    assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
+
+
+@pytest.mark.spec("TEST-3")
+async def test_a_matrix_harness_closes_the_connection_opened_ahead_when_nobody_took_it(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A run that never restarts (a dry run, a cell whose crash did not fire) leaves the
+    session opened ahead unused: ``close()`` ends it with the others."""
+    url, app = tagged(pg_url)
+    harness = PostgresHarness(str(tmp_path), url=url)
+    harness.reuse_storage()
+    backend, _ = await harness.open()
+    await backend.start()
+    assert len(await wait_for_backends(pg_url, app, 2)) == 2
+    await harness.close()
+    assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
 
 
 def test_harness_close_on_another_event_loop(pg_url: str, tmp_path: Path) -> None:

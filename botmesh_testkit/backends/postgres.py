@@ -29,12 +29,24 @@ a crash cell's own statements do. An emptied table is what a new one is to the b
 no row, the same columns and indexes, and nothing else (no sequence) keeps state. The
 emptying runs on one plain connection per server URL kept by the process; the pooled
 tables are dropped at the interpreter's exit (:func:`release_pooled_tables`).
+
+A connection opened ahead (also for the crash matrix, with the reused tables): connecting
+costs the server a new backend process, several times what a cell's statements cost, and
+a cell's restarted incarnation waited for its own. So when the first incarnation's pool
+connects, the harness opens one more connection beside it, which no incarnation uses: the
+first connection a later incarnation's pool asks for is that one (it then opens its others
+as usual). It is a fresh session that nothing ran a statement on — what a restarted
+process gets from its own connect; nothing of the dead incarnation is in it (its own
+connections are gone, dropped at its death as always). An unused one is closed at
+:meth:`PostgresHarness.close`.
+
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -124,6 +136,10 @@ class PostgresHarness(BackendHarness):
         self.backends: list[Any] = []
         self.store: Store = MemoryStore()
         self._reuse = False
+        self._ahead: asyncio.Task[Any] | None = None  # the connection opened ahead (module docstring)
+        self._ahead_key: tuple[Any, ...] | None = None
+        self._ahead_used = False
+        self._connection_class: Any = None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -137,6 +153,7 @@ class PostgresHarness(BackendHarness):
             table_prefix=self.table_prefix,
             min_size=self.min_size,
             max_size=self.max_size,
+            connection_class=self._connection_class,
         )
         self.backends.append(backend)
         self.backend = backend
@@ -172,7 +189,47 @@ class PostgresHarness(BackendHarness):
         """A table emptied by an earlier harness of this process, given back emptied at
         close (module docstring)."""
         self._reuse = True
+        self._connection_class = _ahead_connections(self)
         return True
+
+    async def _connect(self, plain: Callable[..., Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
+        """A new connection for an incarnation's pool: the one opened ahead when it was
+        opened the same way, else a new one (``plain``); the first incarnation's first
+        connect also opens the one ahead (module docstring)."""
+        try:
+            key: tuple[Any, ...] | None = (conninfo, frozenset(kwargs.items()))
+        except TypeError:  # an unhashable argument: never matched
+            key = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and key is not None and key == self._ahead_key:
+            try:
+                conn = await ahead
+            except Exception:  # noqa: BLE001 - it failed to connect: connect now instead
+                pass
+            else:
+                if not conn.closed and not conn.broken:
+                    return conn
+        elif ahead is not None:
+            self._ahead = ahead
+        if len(self.backends) == 1 and self._ahead is None and key is not None and not self._ahead_used:
+            self._ahead_used = True
+            self._ahead, self._ahead_key = asyncio.ensure_future(plain(conninfo, **kwargs)), key
+        return await plain(conninfo, **kwargs)
+
+    async def _close_ahead(self) -> None:
+        """Close the connection opened ahead when no incarnation took it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        if not ahead.done() and ahead.get_loop() is not asyncio.get_running_loop():
+            ahead.cancel()  # its loop is gone: nothing to wait for
+            return
+        try:
+            conn = await ahead
+        except Exception:  # noqa: BLE001 - it never connected
+            return
+        with contextlib.suppress(Exception):
+            await conn.close()
 
     async def open(self) -> tuple[DurabilityBackend, Store]:
         self.store = MemoryStore()
@@ -189,7 +246,8 @@ class PostgresHarness(BackendHarness):
         return backend, self.store
 
     async def close(self) -> None:
-        """Drop every incarnation's connections and the table."""
+        """Drop every incarnation's connections (and the one opened ahead) and the table."""
+        await self._close_ahead()
         schema = next((b.kv.schema for b in self.backends if b.kv.schema is not None), None)
         for backend in self.backends:
             await self._abandon(backend)
@@ -226,6 +284,20 @@ class PostgresHarness(BackendHarness):
         task = backend.abandon()
         if task is not None and task.get_loop() is asyncio.get_running_loop():
             await task
+
+
+def _ahead_connections(harness: PostgresHarness) -> type[Any]:
+    """The connection class of ``harness``'s pools: each connect goes through
+    :meth:`PostgresHarness._connect` (the connection opened ahead)."""
+    import psycopg
+
+    class AheadConnection(psycopg.AsyncConnection[Any]):
+        @classmethod
+        async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
+            plain = super().connect
+            return await harness._connect(plain, conninfo, kwargs)
+
+    return AheadConnection
 
 
 def provisioned(workdir: str | None = None) -> PostgresHarness:

@@ -157,6 +157,7 @@ from ._config import (
     DEFAULT_QUERY_TIMEOUT_S,
     DEFAULT_TABLE_PREFIX,
     DEFAULT_TIMEOUT_S,
+    check_connection_class,
     check_logger,
     check_pool_sizes,
     check_query_timeout,
@@ -281,7 +282,9 @@ class PostgresKv(DurableKv):
     are reported (default ``logging.getLogger("botmesh.postgres")``). ``timeout`` —
     seconds to wait for a connection from the pool. ``query_timeout`` — seconds a call
     waits for the server's answer before its connection is cut and the call fails (None:
-    no limit; see "Unanswered calls" in the module docstring). A bad option raises
+    no limit; see "Unanswered calls" in the module docstring). ``connection_class`` — the
+    :class:`psycopg.AsyncConnection` subclass the kv's own pool connects with (None:
+    psycopg-pool's default; not with ``pool``). A bad option raises
     :class:`~botmesh.core.errors.ConfigError` naming it.
     """
 
@@ -299,6 +302,7 @@ class PostgresKv(DurableKv):
         max_size: int = DEFAULT_MAX_SIZE,
         timeout: float = DEFAULT_TIMEOUT_S,
         query_timeout: float | None = DEFAULT_QUERY_TIMEOUT_S,
+        connection_class: type[Conn] | None = None,
     ) -> None:
         check_source(pool, connection_string)
         self._table_prefix = check_table_prefix(table_prefix)
@@ -307,6 +311,7 @@ class PostgresKv(DurableKv):
         self._min_size, self._max_size = check_pool_sizes(min_size, max_size)
         self._timeout = check_timeout(timeout)
         self._query_timeout = check_query_timeout(query_timeout)
+        self._connection_class: type[Conn] | None = check_connection_class(connection_class, pool)
         self._injected_pool = pool
         self._conninfo = connection_string
         self._table = f"{self._table_prefix}durable"
@@ -388,6 +393,7 @@ class PostgresKv(DurableKv):
                     connections.add(conn)
 
                 self._connections = connections
+                own: dict[str, Any] = {} if self._connection_class is None else {"connection_class": self._connection_class}
                 pool = AsyncConnectionPool(
                     self._conninfo,
                     min_size=self._min_size,
@@ -397,6 +403,7 @@ class PostgresKv(DurableKv):
                     name=f"botmesh:{self._table}",
                     timeout=self._timeout,
                     configure=track,
+                    **own,
                 )
                 try:
                     # its first connection ready before the first call: asked while it was
