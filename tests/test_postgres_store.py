@@ -1014,6 +1014,34 @@ async def test_a_matrix_harness_opens_the_restarts_connection_ahead(
     assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
 
 
+@pytest.mark.spec("TEST-3", "TEST-4")
+async def test_a_matrix_harness_commits_asynchronously_and_a_plain_one_does_not(pg_url: str, tmp_path: Path) -> None:
+    """With ``reuse_storage()`` (the crash matrix) every incarnation's sessions run with
+    ``synchronous_commit=off``, and the restarted one finds what the dead one committed;
+    a harness without it keeps the server's setting (what the claims are judged on)."""
+    harness = PostgresHarness(str(tmp_path / "matrix"), url=pg_url)
+    harness.reuse_storage()
+    backend, _ = await harness.open()
+    await backend.start()
+    await backend.inbox_journal("s", InboxRecord(id="m1", chat_id="c", state="pending", next_at=0.0))
+    assert (await backend.durability_settings())["synchronous_commit"] == "off"
+    again, _ = await harness.reopen()
+    await again.start()
+    found = await again.inbox_get("s", "m1")
+    assert found is not None and found.state == "pending"
+    assert (await again.durability_settings())["synchronous_commit"] == "off"
+    await harness.close()
+    with psycopg.connect(pg_url) as conn:
+        server = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
+    plain = PostgresHarness(str(tmp_path / "plain"), url=pg_url)
+    backend, _ = await plain.open()
+    await backend.start()
+    try:
+        assert (await backend.durability_settings())["synchronous_commit"] == server
+    finally:
+        await plain.close()
+
+
 @pytest.mark.spec("TEST-3")
 async def test_a_matrix_harness_closes_the_connection_opened_ahead_when_nobody_took_it(
     pg_url: str, tmp_path: Path

@@ -40,6 +40,15 @@ process gets from its own connect; nothing of the dead incarnation is in it (its
 connections are gone, dropped at its death as always). An unused one is closed at
 :meth:`PostgresHarness.close`.
 
+Asynchronous commits (the crash matrix's harnesses too): their incarnations' sessions run
+with ``synchronous_commit=off`` (an ``-c`` option of the connection string). A commit is
+then acknowledged before its WAL record is flushed to disk, and it is visible to every
+session from that moment, exactly as with a synchronous commit: only a crash of the
+*server* could lose it, and the crash matrix kills the bot's process, never the server —
+what an incarnation sees after a death is the same. The flush was most of what a write
+cost (a disk flush per statement). The claims a session's settings make about power cuts
+(``durability_settings()``) are judged on harnesses of their own (the conformance suite,
+the power-cut loops), which keep the server's settings.
 """
 
 from __future__ import annotations
@@ -149,7 +158,7 @@ class PostgresHarness(BackendHarness):
         from botmesh.postgres_store import PostgresDurability
 
         backend = PostgresDurability(
-            connection_string=self.url,
+            connection_string=_asynchronous_commits(self.url) if self._reuse else self.url,
             table_prefix=self.table_prefix,
             min_size=self.min_size,
             max_size=self.max_size,
@@ -284,6 +293,15 @@ class PostgresHarness(BackendHarness):
         task = backend.abandon()
         if task is not None and task.get_loop() is asyncio.get_running_loop():
             await task
+
+
+def _asynchronous_commits(url: str) -> str:
+    """``url`` with ``-c synchronous_commit=off`` added to its ``options`` (module
+    docstring): a ``key=value`` connection string."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    options = str(conninfo_to_dict(url).get("options") or "")
+    return make_conninfo(url, options=f"{options} -c synchronous_commit=off".strip())
 
 
 def _ahead_connections(harness: PostgresHarness) -> type[Any]:
