@@ -1016,8 +1016,9 @@ async def test_a_matrix_harness_opens_the_restarts_connection_ahead(
 
 @pytest.mark.spec("TEST-3", "TEST-4")
 async def test_a_matrix_harness_commits_asynchronously_and_a_plain_one_does_not(pg_url: str, tmp_path: Path) -> None:
-    """With ``reuse_storage()`` (the crash matrix) every incarnation's sessions run with
-    ``synchronous_commit=off``, and the restarted one finds what the dead one committed;
+    """With ``reuse_storage()`` (the crash matrix) every incarnation's sessions, and the
+    connection emptying the reused tables, run with ``synchronous_commit=off``, and the
+    restarted one finds what the dead one committed;
     a harness without it keeps the server's setting (what the claims are judged on)."""
     harness = PostgresHarness(str(tmp_path / "matrix"), url=pg_url)
     harness.reuse_storage()
@@ -1031,6 +1032,10 @@ async def test_a_matrix_harness_commits_asynchronously_and_a_plain_one_does_not(
     assert found is not None and found.state == "pending"
     assert (await again.durability_settings())["synchronous_commit"] == "off"
     await harness.close()
+    from botmesh_testkit.backends import postgres as harnesses
+
+    emptying = harnesses._JANITORS[pg_url].execute("SHOW synchronous_commit").fetchone()
+    assert emptying is not None and emptying[0] == "off"  # the emptying connection's too
     with psycopg.connect(pg_url) as conn:
         server = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
     plain = PostgresHarness(str(tmp_path / "plain"), url=pg_url)

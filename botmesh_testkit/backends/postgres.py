@@ -27,8 +27,10 @@ harness takes, at its first open, a table that an earlier harness of this proces
 table in turn; creating a table and its two indexes and dropping it cost a few times what
 a crash cell's own statements do. An emptied table is what a new one is to the backend:
 no row, the same columns and indexes, and nothing else (no sequence) keeps state. The
-emptying runs on one plain connection per server URL kept by the process; the pooled
-tables are dropped at the interpreter's exit (:func:`release_pooled_tables`).
+emptying runs on one plain connection per server URL kept by the process, which commits
+asynchronously as the matrix's incarnations do (below): the next harness's sessions see
+the table empty at once; the pooled tables are dropped at the interpreter's exit
+(:func:`release_pooled_tables`).
 
 A connection opened ahead (also for the crash matrix, with the reused tables): connecting
 costs the server a new backend process, several times what a cell's statements cost, and
@@ -86,7 +88,7 @@ def _janitor(url: str) -> Any:
     if conn is None or conn.closed:
         if not _JANITORS:
             atexit.register(release_pooled_tables)
-        conn = _JANITORS[url] = psycopg.connect(url, autocommit=True)
+        conn = _JANITORS[url] = psycopg.connect(_asynchronous_commits(url), autocommit=True)
     return conn
 
 
