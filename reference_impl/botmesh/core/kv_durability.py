@@ -212,13 +212,16 @@ class KvDurability(DurabilityBackend):
     async def _journal_record(
         self, scope: str, space: str, key: str, record: RecordT, indexes: tuple[float | None, float | None]
     ) -> tuple[RecordT, bool]:
-        """Create unless the key exists; then return the stored record (INB-4, OUT-2)."""
+        """Create unless the key exists; then return the stored record (INB-4, OUT-2): the
+        one the failed create's ``VersionConflict`` carries when the kv reports it
+        (``current``), else read."""
         for _ in range(2):  # a second round only when the record vanished in between
             value = record.to_json()
             try:
                 await self._put(scope, space, key, value, 0, *indexes)
-            except VersionConflict:
-                pass
+            except VersionConflict as conflict:
+                if conflict.current is not None:  # the record found by the failed create itself: no read
+                    return type(record).from_json(conflict.current.value), False
             else:
                 self._know(scope, space, key, 1, record.state, value)
                 return record, True
