@@ -168,6 +168,7 @@ from ._config import (
 )
 from ._settings import show_settings
 from ._statements import Statements as _Statements
+from ._statements import statements_for
 
 __all__ = ["PostgresKv"]
 
@@ -711,7 +712,7 @@ class PostgresKv(DurableKv):
         assert found is not None
         if not all(found[1:]):
             await self._create(conn, schema, create_schema=not found[1])
-        return _Statements(sql.Identifier(schema, self._table), conn)
+        return statements_for(schema, self._table, conn)
 
     async def _create(self, conn: Conn, schema: str, *, create_schema: bool) -> None:
         """Create the schema (only when the ``schema`` option names a missing one), the
