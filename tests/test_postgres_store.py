@@ -61,7 +61,7 @@ from botmesh.core.testing import MockProvider
 from botmesh.postgres_store import PostgresDurability, PostgresKv
 from botmesh_testkit.conformance.durability import HarnessFactory, MultiProcessTests
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory
-from botmesh_testkit.backends.postgres import PostgresHarness, table_prefix_for
+from botmesh_testkit.backends.postgres import PostgresHarness, release_connections_ahead, table_prefix_for
 from botmesh_testkit.crash import World
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -988,29 +988,48 @@ def janitor(url: str) -> int:
     return int(harnesses._JANITORS[url].info.backend_pid)
 
 
+async def session_of(backend: Any) -> int:
+    """The server pid of the connection an open backend's pool hands out."""
+    async with backend.kv.pool.connection() as conn:
+        return int(conn.info.backend_pid)
+
+
 @pytest.mark.spec("TEST-3", "TEST-4")
-async def test_a_matrix_harness_opens_the_restarts_connection_ahead(
-    pg_url: str, tmp_path: Path
-) -> None:
-    """With ``reuse_storage()`` (the crash matrix): the first incarnation's pool connects
-    and one more session is opened beside it; the restarted incarnation's pool takes that
-    session (no new one), the old incarnation's sessions being gone, and finds what the
-    first one committed. ``close()`` ends every session but the emptying one."""
+async def test_matrix_harnesses_take_the_connection_opened_ahead(pg_url: str, tmp_path: Path) -> None:
+    """With ``reuse_storage()`` (the crash matrix): when an incarnation's pool connects,
+    one more session is opened beside it; the next incarnation — the restart, then the
+    next harness's first — takes that session instead of connecting, and one more is
+    opened ahead. The dead incarnation's sessions are gone; the restarted one finds what
+    it committed. ``close()`` leaves the one ahead connected;
+    ``release_connections_ahead()`` ends it."""
     url, app = tagged(pg_url)
-    harness = PostgresHarness(str(tmp_path), url=url)
+    harness = PostgresHarness(str(tmp_path / "a"), url=url)
     assert harness.reuse_storage() is True
     backend, _ = await harness.open()
     await backend.start()
     await backend.inbox_journal("s", InboxRecord(id="m1", chat_id="c", state="pending", next_at=0.0))
     first = await wait_for_backends(pg_url, app, 2)
-    assert len(first) == 2
+    own = await session_of(backend)
+    assert len(first) == 2 and own in first
     again, _ = await harness.reopen()
     await again.start()
     found = await again.inbox_get("s", "m1")
     assert found is not None and found.state == "pending"
-    after = await wait_for_backends(pg_url, app, 1)
-    assert len(after) == 1 and after[0] in first
+    restarted = await session_of(again)
+    assert restarted in first and restarted != own
+    second = await wait_for_backends(pg_url, app, 2)
+    assert own not in second and restarted in second and len(second) == 2
     await harness.close()
+    left = await wait_for_backends(pg_url, app, 2)
+    ahead = [pid for pid in left if pid != janitor(url)]
+    assert len(left) == 2 and len(ahead) == 1 and ahead[0] not in first
+    following = PostgresHarness(str(tmp_path / "b"), url=url)
+    following.reuse_storage()
+    backend, _ = await following.open()
+    await backend.start()
+    assert await session_of(backend) == ahead[0]
+    await following.close()
+    release_connections_ahead()
     assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
 
 
@@ -1045,22 +1064,6 @@ async def test_a_matrix_harness_commits_asynchronously_and_a_plain_one_does_not(
         assert (await backend.durability_settings())["synchronous_commit"] == server
     finally:
         await plain.close()
-
-
-@pytest.mark.spec("TEST-3")
-async def test_a_matrix_harness_closes_the_connection_opened_ahead_when_nobody_took_it(
-    pg_url: str, tmp_path: Path
-) -> None:
-    """A run that never restarts (a dry run, a cell whose crash did not fire) leaves the
-    session opened ahead unused: ``close()`` ends it with the others."""
-    url, app = tagged(pg_url)
-    harness = PostgresHarness(str(tmp_path), url=url)
-    harness.reuse_storage()
-    backend, _ = await harness.open()
-    await backend.start()
-    assert len(await wait_for_backends(pg_url, app, 2)) == 2
-    await harness.close()
-    assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
 
 
 def test_harness_close_on_another_event_loop(pg_url: str, tmp_path: Path) -> None:

@@ -34,13 +34,15 @@ the table empty at once; the pooled tables are dropped at the interpreter's exit
 
 A connection opened ahead (also for the crash matrix, with the reused tables): connecting
 costs the server a new backend process, several times what a cell's statements cost, and
-a cell's restarted incarnation waited for its own. So when the first incarnation's pool
-connects, the harness opens one more connection beside it, which no incarnation uses: the
-first connection a later incarnation's pool asks for is that one (it then opens its others
-as usual). It is a fresh session that nothing ran a statement on — what a restarted
-process gets from its own connect; nothing of the dead incarnation is in it (its own
-connections are gone, dropped at its death as always). An unused one is closed at
-:meth:`PostgresHarness.close`.
+each incarnation waited for its own. So whenever an incarnation's pool connects, the
+process opens one more connection beside it, which nobody uses yet: the next incarnation's
+first connect (the restart, or the next cell's first incarnation) takes it, and opens the
+next one ahead in turn. It is a fresh session that nothing ran a statement on — what a
+restarted process gets from its own connect; nothing of a dead incarnation is in it (its
+own connections are gone, dropped at its death as always). :meth:`PostgresHarness.close`
+waits until the one being opened is connected (a cell's event loop ends after it; the
+connection is not bound to a loop); :func:`release_connections_ahead` closes what is left
+(at exit).
 
 Asynchronous commits (the crash matrix's harnesses too): their incarnations' sessions run
 with ``synchronous_commit=off`` (an ``-c`` option of the connection string). A commit is
@@ -58,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -72,7 +75,7 @@ from .base import BackendHarness, KillSpec, PostgresSpec
 
 DEFAULT_PORT = 5432
 
-__all__ = ["PostgresHarness", "release_pooled_tables", "table_prefix_for"]
+__all__ = ["PostgresHarness", "release_connections_ahead", "release_pooled_tables", "table_prefix_for"]
 
 _POOLED: dict[str, list[tuple[str, str | None]]] = {}
 """Per server URL: ``(table_prefix, schema)`` of the emptied tables ready for reuse."""
@@ -147,9 +150,6 @@ class PostgresHarness(BackendHarness):
         self.backends: list[Any] = []
         self.store: Store = MemoryStore()
         self._reuse = False
-        self._ahead: asyncio.Task[Any] | None = None  # the connection opened ahead (module docstring)
-        self._ahead_key: tuple[Any, ...] | None = None
-        self._ahead_used = False
         self._connection_class: Any = None
 
     @property
@@ -200,47 +200,8 @@ class PostgresHarness(BackendHarness):
         """A table emptied by an earlier harness of this process, given back emptied at
         close (module docstring)."""
         self._reuse = True
-        self._connection_class = _ahead_connections(self)
+        self._connection_class = _ahead_connection_class()
         return True
-
-    async def _connect(self, plain: Callable[..., Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
-        """A new connection for an incarnation's pool: the one opened ahead when it was
-        opened the same way, else a new one (``plain``); the first incarnation's first
-        connect also opens the one ahead (module docstring)."""
-        try:
-            key: tuple[Any, ...] | None = (conninfo, frozenset(kwargs.items()))
-        except TypeError:  # an unhashable argument: never matched
-            key = None
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and key is not None and key == self._ahead_key:
-            try:
-                conn = await ahead
-            except Exception:  # noqa: BLE001 - it failed to connect: connect now instead
-                pass
-            else:
-                if not conn.closed and not conn.broken:
-                    return conn
-        elif ahead is not None:
-            self._ahead = ahead
-        if len(self.backends) == 1 and self._ahead is None and key is not None and not self._ahead_used:
-            self._ahead_used = True
-            self._ahead, self._ahead_key = asyncio.ensure_future(plain(conninfo, **kwargs)), key
-        return await plain(conninfo, **kwargs)
-
-    async def _close_ahead(self) -> None:
-        """Close the connection opened ahead when no incarnation took it."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        if not ahead.done() and ahead.get_loop() is not asyncio.get_running_loop():
-            ahead.cancel()  # its loop is gone: nothing to wait for
-            return
-        try:
-            conn = await ahead
-        except Exception:  # noqa: BLE001 - it never connected
-            return
-        with contextlib.suppress(Exception):
-            await conn.close()
 
     async def open(self) -> tuple[DurabilityBackend, Store]:
         self.store = MemoryStore()
@@ -257,8 +218,9 @@ class PostgresHarness(BackendHarness):
         return backend, self.store
 
     async def close(self) -> None:
-        """Drop every incarnation's connections (and the one opened ahead) and the table."""
-        await self._close_ahead()
+        """Drop every incarnation's connections and the table (the connection opened
+        ahead stays for the next harness, connected: module docstring)."""
+        await _settle_ahead()
         schema = next((b.kv.schema for b in self.backends if b.kv.schema is not None), None)
         for backend in self.backends:
             await self._abandon(backend)
@@ -306,16 +268,86 @@ def _asynchronous_commits(url: str) -> str:
     return make_conninfo(url, options=f"{options} -c synchronous_commit=off".strip())
 
 
-def _ahead_connections(harness: PostgresHarness) -> type[Any]:
-    """The connection class of ``harness``'s pools: each connect goes through
-    :meth:`PostgresHarness._connect` (the connection opened ahead)."""
+_AHEAD: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
+"""Per connection string and connect arguments: the connection opened ahead for the next
+incarnation's first connect (module docstring)."""
+
+
+async def _connect_ahead(plain: Callable[..., Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
+    """A new connection for an incarnation's pool: the one opened ahead the same way when
+    there is one that works, else a new one (``plain``); either way, the next one is
+    opened ahead now."""
+    try:
+        key: tuple[Any, ...] = (conninfo, frozenset(kwargs.items()))
+    except TypeError:  # an unhashable argument: nothing ahead
+        return await plain(conninfo, **kwargs)
+    loop = asyncio.get_running_loop()
+    ahead = _AHEAD.pop(key, None)
+    _register_release()
+    _AHEAD[key] = loop.create_task(plain(conninfo, **kwargs))
+    if ahead is not None:
+        conn = await _take(ahead, loop)
+        if conn is not None:
+            return conn
+    return await plain(conninfo, **kwargs)
+
+
+async def _take(ahead: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> Any:
+    """The connection of ``ahead`` when it connected and still works, else None."""
+    if not ahead.done():
+        if ahead.get_loop() is not loop:
+            ahead.cancel()  # its loop ended before it connected (settled at close: not in the matrix)
+            return None
+        await asyncio.wait({ahead})
+    if ahead.cancelled() or ahead.exception() is not None:
+        return None
+    conn = ahead.result()
+    if conn.closed or conn.broken:
+        return None
+    return conn
+
+
+async def _settle_ahead() -> None:
+    """Wait until the connections being opened ahead on this event loop are connected,
+    so that none is left half-open when the loop ends (a crash cell runs on a loop of its
+    own): the next harness takes them connected."""
+    loop = asyncio.get_running_loop()
+    pending = {t for t in _AHEAD.values() if not t.done() and t.get_loop() is loop}
+    if pending:
+        await asyncio.wait(pending)
+
+
+def release_connections_ahead() -> None:
+    """Close the connections opened ahead that no incarnation took (at exit, and for
+    tests); a pending one is cancelled."""
+    for task in list(_AHEAD.values()):
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            with contextlib.suppress(Exception):
+                task.result().pgconn.finish()
+    _AHEAD.clear()
+
+
+_RELEASE_REGISTERED: list[bool] = []
+
+
+def _register_release() -> None:
+    if not _RELEASE_REGISTERED:
+        _RELEASE_REGISTERED.append(True)
+        atexit.register(release_connections_ahead)
+
+
+@functools.cache
+def _ahead_connection_class() -> type[Any]:
+    """The connection class of the matrix's pools: each connect goes through
+    :func:`_connect_ahead`."""
     import psycopg
 
     class AheadConnection(psycopg.AsyncConnection[Any]):
         @classmethod
         async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
-            plain = super().connect
-            return await harness._connect(plain, conninfo, kwargs)
+            return await _connect_ahead(super().connect, conninfo, kwargs)
 
     return AheadConnection
 
