@@ -125,6 +125,41 @@ def test_a_journal_write_of_an_existing_record_returns_what_the_conflict_reporte
     run(body())
 
 
+class ScanCountingKv(MemoryKv):
+    """A MemoryKv that counts its scan calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scans = 0
+
+    async def scan(self, scope: str, space: str, *, after: str | None = None, limit: int = 100) -> list[Any]:
+        self.scans += 1
+        return await super().scan(scope, space, after=after, limit=limit)
+
+
+@spec("BACK-7", "OPS-2")
+def test_a_listing_stops_at_a_short_page_and_pages_through_full_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing a journal: one scan when it holds less than a page (a short page is the
+    last: BACK-7's scan returns min(limit, the records after)); with more, every record
+    in key order, one scan per full page plus the short (or empty) last one."""
+    import botmesh.core.kv_durability as engine
+
+    async def body() -> None:
+        kv = ScanCountingKv()
+        d = KvDurability(kv)
+        for n in range(5):
+            await d.inbox_journal(SCOPE, leased_inbox(id=f"in-{n}"))
+        assert [r.id for r in await d.inbox_list(SCOPE)] == [f"in-{n}" for n in range(5)]
+        assert kv.scans == 1
+        for page, scans in ((2, 3), (5, 2), (1, 6)):
+            monkeypatch.setattr(engine, "_SCAN_PAGE", page)
+            kv.scans = 0
+            assert [r.id for r in await d.inbox_list(SCOPE)] == [f"in-{n}" for n in range(5)], page
+            assert kv.scans == scans, (page, kv.scans)
+
+    run(body())
+
+
 @spec("BACK-7", "LEASE-2")
 def test_a_stale_known_version_is_retried_from_a_fresh_read_and_keeps_the_other_update() -> None:
     """Another writer changed the record after this instance's last write (a field this
