@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import pytest
+from botmesh.core.errors import VersionConflict
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.memory import MemoryKv
 from botmesh.core.records import InboxRecord, OutboxRecord
@@ -84,6 +85,77 @@ def test_the_message_path_writes_without_reading() -> None:
         outbox = await kv.get(SCOPE, "outbox", "in-1:1")
         assert inbox is not None and (inbox.version, inbox.value["state"]) == (2, "done")
         assert outbox is not None and (outbox.version, outbox.value["state"], outbox.value["message_id"]) == (2, "sent", "m1")
+
+    run(body())
+
+
+class ReportingKv(CountingKv):
+    """A CountingKv whose failed compare-and-set reports the record it found
+    (``VersionConflict.current``), as the server kvs do."""
+
+    async def put(self, scope: str, space: str, key: str, value: dict[str, Any], *, expected_version: int,
+                  due: float | None = None, expires: float | None = None) -> int:
+        try:
+            return await super().put(scope, space, key, value, expected_version=expected_version, due=due,
+                                     expires=expires)
+        except VersionConflict as conflict:
+            current = await super().get(scope, space, key)
+            self.gets -= 1  # the kv's own look, in the same call: not a read of the caller's
+            raise VersionConflict.at(space, key, expected_version, conflict.found, current) from None
+
+
+@spec("INB-4", "OUT-2", "BACK-7")
+def test_a_journal_write_of_an_existing_record_returns_what_the_conflict_reported() -> None:
+    """A journal write that finds the key taken (a redelivery, a send journaled again)
+    returns the stored record, not the one given: from the ``VersionConflict``'s
+    ``current`` when the kv reports it (no read), else from a read."""
+
+    async def body() -> None:
+        for kv, reads in ((ReportingKv(), 0), (CountingKv(), 1)):
+            d, other = KvDurability(kv), KvDurability(kv)
+            stored = leased_inbox(owner="b")
+            await other.inbox_journal(SCOPE, stored)
+            found, created = await d.inbox_journal(SCOPE, leased_inbox(owner="a"))
+            assert not created and found.owner == "b" and found.to_json() == stored.to_json()
+            assert kv.gets == reads, (type(kv).__name__, kv.gets)
+            found.event["text"] = "changed"  # the caller's own copy
+            again = await kv.get(SCOPE, "inbox", "in-1")
+            assert again is not None and again.value["event"]["text"] == "hi"
+
+    run(body())
+
+
+class ScanCountingKv(MemoryKv):
+    """A MemoryKv that counts its scan calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scans = 0
+
+    async def scan(self, scope: str, space: str, *, after: str | None = None, limit: int = 100) -> list[Any]:
+        self.scans += 1
+        return await super().scan(scope, space, after=after, limit=limit)
+
+
+@spec("BACK-7", "OPS-2")
+def test_a_listing_stops_at_a_short_page_and_pages_through_full_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing a journal: one scan when it holds less than a page (a short page is the
+    last: BACK-7's scan returns min(limit, the records after)); with more, every record
+    in key order, one scan per full page plus the short (or empty) last one."""
+    import botmesh.core.kv_durability as engine
+
+    async def body() -> None:
+        kv = ScanCountingKv()
+        d = KvDurability(kv)
+        for n in range(5):
+            await d.inbox_journal(SCOPE, leased_inbox(id=f"in-{n}"))
+        assert [r.id for r in await d.inbox_list(SCOPE)] == [f"in-{n}" for n in range(5)]
+        assert kv.scans == 1
+        for page, scans in ((2, 3), (5, 2), (1, 6)):
+            monkeypatch.setattr(engine, "_SCAN_PAGE", page)
+            kv.scans = 0
+            assert [r.id for r in await d.inbox_list(SCOPE)] == [f"in-{n}" for n in range(5)], page
+            assert kv.scans == scans, (page, kv.scans)
 
     run(body())
 

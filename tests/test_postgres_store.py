@@ -61,7 +61,7 @@ from botmesh.core.testing import MockProvider
 from botmesh.postgres_store import PostgresDurability, PostgresKv
 from botmesh_testkit.conformance.durability import HarnessFactory, MultiProcessTests
 from botmesh_testkit.conformance.kv import DurableKvConformance, KvFactory
-from botmesh_testkit.backends.postgres import PostgresHarness, table_prefix_for
+from botmesh_testkit.backends.postgres import PostgresHarness, release_connections_ahead, table_prefix_for
 from botmesh_testkit.crash import World
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -792,6 +792,9 @@ def test_bad_sources_and_options_are_config_errors_naming_the_option(pg_url: str
         ({"connection_string": pg_url, "query_timeout": float("nan")}, "query_timeout"),
         ({"connection_string": pg_url, "query_timeout": True}, "query_timeout"),
         ({"connection_string": pg_url, "query_timeout": "30"}, "query_timeout"),
+        ({"connection_string": pg_url, "connection_class": psycopg.Connection}, "connection_class"),
+        ({"connection_string": pg_url, "connection_class": "psycopg.AsyncConnection"}, "connection_class"),
+        ({"pool": pool, "connection_class": psycopg.AsyncConnection}, "connection_class"),
     ]
     for kwargs, option in cases:
         with pytest.raises(ConfigError) as info:
@@ -953,6 +956,114 @@ async def test_harness_kv_factory_gives_kvs_on_its_table(pg_url: str, tmp_path: 
     await second.close()
     await harness.close()
     assert not await table_exists(pg_url, first.table)
+
+
+@pytest.mark.spec("BACK-2")
+async def test_the_own_pool_connects_with_the_connection_class_given(pg_url: str, prefix: str) -> None:
+    """``connection_class``: the kv's own pool makes its connections with it (and they
+    work as any other)."""
+    made: list[psycopg.AsyncConnection[Any]] = []
+
+    class Counted(psycopg.AsyncConnection[Any]):
+        @classmethod
+        async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
+            conn = await super().connect(conninfo, **kwargs)
+            made.append(conn)
+            return conn
+
+    kv = PostgresKv(connection_string=pg_url, table_prefix=prefix, connection_class=Counted)
+    await kv.open()
+    try:
+        await kv.put("s", "inbox", "k", {"n": 1}, expected_version=0)
+        assert await kv.get("s", "inbox", "k") == Versioned({"n": 1}, 1)
+        assert made and all(type(conn) is Counted for conn in made)
+    finally:
+        await kv.close()
+
+
+def janitor(url: str) -> int:
+    """The server pid of the connection that empties the reused tables of ``url``."""
+    from botmesh_testkit.backends import postgres as harnesses
+
+    return int(harnesses._JANITORS[url].info.backend_pid)
+
+
+async def session_of(backend: Any) -> int:
+    """The server pid of the connection an open backend's pool hands out."""
+    async with backend.kv.pool.connection() as conn:
+        return int(conn.info.backend_pid)
+
+
+@pytest.mark.spec("TEST-3", "TEST-4")
+async def test_matrix_harnesses_take_the_connection_opened_ahead(pg_url: str, tmp_path: Path) -> None:
+    """With ``reuse_storage()`` (the crash matrix): when an incarnation's pool connects,
+    one more session is opened beside it; the next incarnation — the restart, then the
+    next harness's first — takes that session instead of connecting, and one more is
+    opened ahead. The dead incarnation's sessions are gone; the restarted one finds what
+    it committed. ``close()`` leaves the one ahead connected;
+    ``release_connections_ahead()`` ends it."""
+    url, app = tagged(pg_url)
+    harness = PostgresHarness(str(tmp_path / "a"), url=url)
+    assert harness.reuse_storage() is True
+    backend, _ = await harness.open()
+    await backend.start()
+    await backend.inbox_journal("s", InboxRecord(id="m1", chat_id="c", state="pending", next_at=0.0))
+    first = await wait_for_backends(pg_url, app, 2)
+    own = await session_of(backend)
+    assert len(first) == 2 and own in first
+    again, _ = await harness.reopen()
+    await again.start()
+    found = await again.inbox_get("s", "m1")
+    assert found is not None and found.state == "pending"
+    restarted = await session_of(again)
+    assert restarted in first and restarted != own
+    second = await wait_for_backends(pg_url, app, 2)
+    assert own not in second and restarted in second and len(second) == 2
+    await harness.close()
+    left = await wait_for_backends(pg_url, app, 2)
+    ahead = [pid for pid in left if pid != janitor(url)]
+    assert len(left) == 2 and len(ahead) == 1 and ahead[0] not in first
+    following = PostgresHarness(str(tmp_path / "b"), url=url)
+    following.reuse_storage()
+    backend, _ = await following.open()
+    await backend.start()
+    assert await session_of(backend) == ahead[0]
+    await following.close()
+    release_connections_ahead()
+    assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
+
+
+@pytest.mark.spec("TEST-3", "TEST-4")
+async def test_a_matrix_harness_commits_asynchronously_and_a_plain_one_does_not(pg_url: str, tmp_path: Path) -> None:
+    """With ``reuse_storage()`` (the crash matrix) every incarnation's sessions, and the
+    connection emptying the reused tables, run with ``synchronous_commit=off``, and the
+    restarted one finds what the dead one committed;
+    a harness without it keeps the server's setting (what the claims are judged on)."""
+    harness = PostgresHarness(str(tmp_path / "matrix"), url=pg_url)
+    harness.reuse_storage()
+    backend, _ = await harness.open()
+    await backend.start()
+    await backend.inbox_journal("s", InboxRecord(id="m1", chat_id="c", state="pending", next_at=0.0))
+    assert (await backend.durability_settings())["synchronous_commit"] == "off"
+    again, _ = await harness.reopen()
+    await again.start()
+    found = await again.inbox_get("s", "m1")
+    assert found is not None and found.state == "pending"
+    assert (await again.durability_settings())["synchronous_commit"] == "off"
+    await harness.close()
+    from botmesh_testkit.backends import postgres as harnesses
+
+    emptying = harnesses._JANITORS[pg_url].execute("SHOW synchronous_commit").fetchone()
+    assert emptying is not None and emptying[0] == "off"  # the emptying connection's too
+    with psycopg.connect(pg_url) as conn:
+        server = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
+    plain = PostgresHarness(str(tmp_path / "plain"), url=pg_url)
+    backend, _ = await plain.open()
+    await backend.start()
+    try:
+        assert (await backend.durability_settings())["synchronous_commit"] == server
+    finally:
+        await plain.close()
 
 
 def test_harness_close_on_another_event_loop(pg_url: str, tmp_path: Path) -> None:

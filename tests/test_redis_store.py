@@ -48,6 +48,7 @@ from botmesh.core.bot import Bot
 from botmesh.core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.spi import Capabilities, Versioned
+from botmesh.core.records import InboxRecord
 from botmesh.core.store import MemoryStore
 from botmesh.core.testing import MockProvider
 from botmesh.redis_store import RedisDurability, RedisKv, client_retries, key_pattern, scope_keys
@@ -763,6 +764,36 @@ async def test_harness_restart_after_a_death_inside_a_send(redis_url: str, sync_
         await world.close()
         shutil.rmtree(harness.workdir, ignore_errors=True)
     assert _keys_matching(sync_client, f"{harness.prefix}:*") == [], "close() left keys behind"
+
+
+@spec("TEST-3")
+async def test_harness_close_deletes_the_keys_with_the_last_incarnations_client(
+    redis_url: str, sync_client: redis.Redis
+) -> None:
+    """``close()`` deletes the prefix's keys on the last incarnation's client while it is
+    there (no client of its own is built), and on a client of its own when the last
+    incarnation's is gone (abandoned); every key goes either way."""
+    def no_client() -> Any:
+        raise AssertionError("close() built a client of its own although the last incarnation's was there")
+
+    for abandoned in (False, True):
+        harness = RedisHarness(tempfile.mkdtemp(prefix="botmesh-redis-"), url=redis_url)
+        try:
+            backend, _ = await harness.open()
+            await backend.start()
+            await backend.inbox_journal("s", InboxRecord(id="m1", chat_id="c", state="pending", next_at=0.0))
+            assert _keys_matching(sync_client, f"{harness.prefix}:*")
+            if abandoned:
+                drop = backend.kv.abandon()
+                assert drop is not None
+                await drop
+            else:
+                harness._cleaning_client = no_client  # type: ignore[method-assign]
+            await harness.close()
+            assert _keys_matching(sync_client, f"{harness.prefix}:*") == [], "close() left keys behind"
+            assert backend.kv.client is None
+        finally:
+            shutil.rmtree(harness.workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------

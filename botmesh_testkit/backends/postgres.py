@@ -27,14 +27,40 @@ harness takes, at its first open, a table that an earlier harness of this proces
 table in turn; creating a table and its two indexes and dropping it cost a few times what
 a crash cell's own statements do. An emptied table is what a new one is to the backend:
 no row, the same columns and indexes, and nothing else (no sequence) keeps state. The
-emptying runs on one plain connection per server URL kept by the process; the pooled
-tables are dropped at the interpreter's exit (:func:`release_pooled_tables`).
+emptying runs on one plain connection per server URL kept by the process, which commits
+asynchronously as the matrix's incarnations do (below): the next harness's sessions see
+the table empty at once; the pooled tables are dropped at the interpreter's exit
+(:func:`release_pooled_tables`).
+
+A connection opened ahead (also for the crash matrix, with the reused tables): connecting
+costs the server a new backend process, several times what a cell's statements cost, and
+each incarnation waited for its own. So whenever an incarnation's pool connects, the
+process opens one more connection beside it, which nobody uses yet: the next incarnation's
+first connect (the restart, or the next cell's first incarnation) takes it, and opens the
+next one ahead in turn. It is a fresh session that nothing ran a statement on — what a
+restarted process gets from its own connect; nothing of a dead incarnation is in it (its
+own connections are gone, dropped at its death as always). :meth:`PostgresHarness.close`
+waits until the one being opened is connected (a cell's event loop ends after it; the
+connection is not bound to a loop); :func:`release_connections_ahead` closes what is left
+(at exit).
+
+Asynchronous commits (the crash matrix's harnesses too): their incarnations' sessions run
+with ``synchronous_commit=off`` (an ``-c`` option of the connection string). A commit is
+then acknowledged before its WAL record is flushed to disk, and it is visible to every
+session from that moment, exactly as with a synchronous commit: only a crash of the
+*server* could lose it, and the crash matrix kills the bot's process, never the server —
+what an incarnation sees after a death is the same. The flush was most of what a write
+cost (a disk flush per statement). The claims a session's settings make about power cuts
+(``durability_settings()``) are judged on harnesses of their own (the conformance suite,
+the power-cut loops), which keep the server's settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -49,7 +75,7 @@ from .base import BackendHarness, KillSpec, PostgresSpec
 
 DEFAULT_PORT = 5432
 
-__all__ = ["PostgresHarness", "release_pooled_tables", "table_prefix_for"]
+__all__ = ["PostgresHarness", "release_connections_ahead", "release_pooled_tables", "table_prefix_for"]
 
 _POOLED: dict[str, list[tuple[str, str | None]]] = {}
 """Per server URL: ``(table_prefix, schema)`` of the emptied tables ready for reuse."""
@@ -65,7 +91,7 @@ def _janitor(url: str) -> Any:
     if conn is None or conn.closed:
         if not _JANITORS:
             atexit.register(release_pooled_tables)
-        conn = _JANITORS[url] = psycopg.connect(url, autocommit=True)
+        conn = _JANITORS[url] = psycopg.connect(_asynchronous_commits(url), autocommit=True)
     return conn
 
 
@@ -124,6 +150,7 @@ class PostgresHarness(BackendHarness):
         self.backends: list[Any] = []
         self.store: Store = MemoryStore()
         self._reuse = False
+        self._connection_class: Any = None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -133,10 +160,11 @@ class PostgresHarness(BackendHarness):
         from botmesh.postgres_store import PostgresDurability
 
         backend = PostgresDurability(
-            connection_string=self.url,
+            connection_string=_asynchronous_commits(self.url) if self._reuse else self.url,
             table_prefix=self.table_prefix,
             min_size=self.min_size,
             max_size=self.max_size,
+            connection_class=self._connection_class,
         )
         self.backends.append(backend)
         self.backend = backend
@@ -172,6 +200,7 @@ class PostgresHarness(BackendHarness):
         """A table emptied by an earlier harness of this process, given back emptied at
         close (module docstring)."""
         self._reuse = True
+        self._connection_class = _ahead_connection_class()
         return True
 
     async def open(self) -> tuple[DurabilityBackend, Store]:
@@ -189,7 +218,9 @@ class PostgresHarness(BackendHarness):
         return backend, self.store
 
     async def close(self) -> None:
-        """Drop every incarnation's connections and the table."""
+        """Drop every incarnation's connections and the table (the connection opened
+        ahead stays for the next harness, connected: module docstring)."""
+        await _settle_ahead()
         schema = next((b.kv.schema for b in self.backends if b.kv.schema is not None), None)
         for backend in self.backends:
             await self._abandon(backend)
@@ -226,6 +257,99 @@ class PostgresHarness(BackendHarness):
         task = backend.abandon()
         if task is not None and task.get_loop() is asyncio.get_running_loop():
             await task
+
+
+def _asynchronous_commits(url: str) -> str:
+    """``url`` with ``-c synchronous_commit=off`` added to its ``options`` (module
+    docstring): a ``key=value`` connection string."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    options = str(conninfo_to_dict(url).get("options") or "")
+    return make_conninfo(url, options=f"{options} -c synchronous_commit=off".strip())
+
+
+_AHEAD: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
+"""Per connection string and connect arguments: the connection opened ahead for the next
+incarnation's first connect (module docstring)."""
+
+
+async def _connect_ahead(plain: Callable[..., Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
+    """A new connection for an incarnation's pool: the one opened ahead the same way when
+    there is one that works, else a new one (``plain``); either way, the next one is
+    opened ahead now."""
+    try:
+        key: tuple[Any, ...] = (conninfo, frozenset(kwargs.items()))
+    except TypeError:  # an unhashable argument: nothing ahead
+        return await plain(conninfo, **kwargs)
+    loop = asyncio.get_running_loop()
+    ahead = _AHEAD.pop(key, None)
+    _register_release()
+    _AHEAD[key] = loop.create_task(plain(conninfo, **kwargs))
+    if ahead is not None:
+        conn = await _take(ahead, loop)
+        if conn is not None:
+            return conn
+    return await plain(conninfo, **kwargs)
+
+
+async def _take(ahead: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> Any:
+    """The connection of ``ahead`` when it connected and still works, else None."""
+    if not ahead.done():
+        if ahead.get_loop() is not loop:
+            ahead.cancel()  # its loop ended before it connected (settled at close: not in the matrix)
+            return None
+        await asyncio.wait({ahead})
+    if ahead.cancelled() or ahead.exception() is not None:
+        return None
+    conn = ahead.result()
+    if conn.closed or conn.broken:
+        return None
+    return conn
+
+
+async def _settle_ahead() -> None:
+    """Wait until the connections being opened ahead on this event loop are connected,
+    so that none is left half-open when the loop ends (a crash cell runs on a loop of its
+    own): the next harness takes them connected."""
+    loop = asyncio.get_running_loop()
+    pending = {t for t in _AHEAD.values() if not t.done() and t.get_loop() is loop}
+    if pending:
+        await asyncio.wait(pending)
+
+
+def release_connections_ahead() -> None:
+    """Close the connections opened ahead that no incarnation took (at exit, and for
+    tests); a pending one is cancelled."""
+    for task in list(_AHEAD.values()):
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            with contextlib.suppress(Exception):
+                task.result().pgconn.finish()
+    _AHEAD.clear()
+
+
+_RELEASE_REGISTERED: list[bool] = []
+
+
+def _register_release() -> None:
+    if not _RELEASE_REGISTERED:
+        _RELEASE_REGISTERED.append(True)
+        atexit.register(release_connections_ahead)
+
+
+@functools.cache
+def _ahead_connection_class() -> type[Any]:
+    """The connection class of the matrix's pools: each connect goes through
+    :func:`_connect_ahead`."""
+    import psycopg
+
+    class AheadConnection(psycopg.AsyncConnection[Any]):
+        @classmethod
+        async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
+            return await _connect_ahead(super().connect, conninfo, kwargs)
+
+    return AheadConnection
 
 
 def provisioned(workdir: str | None = None) -> PostgresHarness:

@@ -13,8 +13,9 @@ cell keeps cells (and pytest-xdist workers) apart on a shared server.
   of the dead incarnation fails) and its client's sockets are closed without any further
   command — nothing is "flushed", because a Redis client buffers nothing: only what the
   server acknowledged survives. Then a new :class:`RedisDurability` opens the same prefix.
-* :meth:`~RedisHarness.close` — deletes every key of the prefix (``SCAN MATCH``) and
-  closes every client.
+* :meth:`~RedisHarness.close` — deletes every key of the prefix (``SCAN MATCH``), with
+  the last incarnation's client when it is still there (the test is over: it is the
+  harness's to use), and closes every client.
 
 Crash survival here is survival of the *client* process; the server keeps running. A
 server crash needs AOF with ``appendfsync always`` (see :mod:`botmesh.redis_store.kv`).
@@ -116,15 +117,15 @@ class RedisHarness(BackendHarness):
 
         return lambda: RedisKv(url=self.url, prefix=self.prefix)
 
-    async def delete_keys(self) -> int:
-        """Delete every key of this harness's prefix; the number deleted."""
+    async def delete_keys(self, client: Any = None) -> int:
+        """Delete every key of this harness's prefix; the number deleted. ``client``: a
+        ``redis.asyncio.Redis`` on the harness's server to do it with (left open), else
+        one of its own (closed after)."""
         from botmesh.redis_store import key_pattern
-        from botmesh.redis_store._driver import driver_options
-        from redis.asyncio import Redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
 
-        client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), retry_on_error=[], **driver_options())
+        own = client is None
+        if own:
+            client = self._cleaning_client()
         deleted = 0
         try:
             batch: list[bytes] = []
@@ -136,12 +137,36 @@ class RedisHarness(BackendHarness):
             if batch:
                 deleted += await client.delete(*batch)
         finally:
-            await client.aclose()
+            if own:
+                await client.aclose()
         return deleted
 
+    def _cleaning_client(self) -> Any:
+        from botmesh.redis_store._driver import driver_options
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        return Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), retry_on_error=[], **driver_options())
+
+    def _last_client(self) -> Any:
+        """The client of the last incarnation's kv while it is still there (not abandoned
+        nor closed) and a plain ``Redis`` on this harness's server, else None: the end of
+        a test deletes the keys with it instead of connecting once more."""
+        from redis.asyncio import Redis
+
+        kv = getattr(self.backend, "kv", None)
+        if kv is None or kv.prefix != self.prefix:
+            return None
+        client = kv.client
+        return client if isinstance(client, Redis) else None
+
     async def close(self) -> None:
+        """Delete the prefix's keys — on the last incarnation's client when it is still
+        there (its connection already made), else on a client of its own — then close
+        every incarnation's client."""
         try:
-            await self.delete_keys()
+            await self.delete_keys(self._last_client())
         finally:
             for backend in self.backends:
                 await backend.kv.close()

@@ -23,6 +23,7 @@ INBOX = "inbox"
 OUTBOX = "outbox"
 _MAX_CAS_ROUNDS = 64
 _MAX_KNOWN = 1024  # known versions kept at most (the oldest go first)
+_SCAN_PAGE = 200  # records asked of one scan call when listing a journal
 _LEASED = frozenset({"leased", "sending"})
 
 
@@ -192,7 +193,7 @@ class KvDurability(DurabilityBackend):
         result: list[RecordT] = []
         after: str | None = None
         while len(result) < limit:
-            page = await self.kv.scan(scope, space, after=after, limit=200)
+            page = await self.kv.scan(scope, space, after=after, limit=_SCAN_PAGE)
             if not page:
                 break
             if after is not None and page[0][0] <= after:
@@ -206,19 +207,24 @@ class KvDurability(DurabilityBackend):
                 rec = cls.from_json(found.value)
                 if state is None or rec.state == state:
                     result.append(rec)
+            if len(page) < _SCAN_PAGE:
+                break  # scan returns min(limit, the records after): a short page is the last (BACK-7)
             after = page[-1][0]
         return result[:limit]
 
     async def _journal_record(
         self, scope: str, space: str, key: str, record: RecordT, indexes: tuple[float | None, float | None]
     ) -> tuple[RecordT, bool]:
-        """Create unless the key exists; then return the stored record (INB-4, OUT-2)."""
+        """Create unless the key exists; then return the stored record (INB-4, OUT-2): the
+        one the failed create's ``VersionConflict`` carries when the kv reports it
+        (``current``), else read."""
         for _ in range(2):  # a second round only when the record vanished in between
             value = record.to_json()
             try:
                 await self._put(scope, space, key, value, 0, *indexes)
-            except VersionConflict:
-                pass
+            except VersionConflict as conflict:
+                if conflict.current is not None:  # the record found by the failed create itself: no read
+                    return type(record).from_json(conflict.current.value), False
             else:
                 self._know(scope, space, key, 1, record.state, value)
                 return record, True

@@ -105,6 +105,31 @@ def check_source(pool: Any, connection_string: Any) -> None:
             ) from None
 
 
+def check_connection_class(connection_class: Any, pool: Any) -> Any:
+    """``connection_class``: None (psycopg-pool's default), or a subclass of
+    :class:`psycopg.AsyncConnection` the kv's own pool makes its connections with; only
+    with ``connection_string`` (an injected pool has its own)."""
+    from psycopg import AsyncConnection
+
+    if connection_class is None:
+        return None
+    if not isinstance(connection_class, type) or not issubclass(connection_class, AsyncConnection):
+        raise ConfigError(
+            "option 'connection_class' must be None or a subclass of psycopg.AsyncConnection, "
+            f"got {connection_class!r}",
+            option="connection_class",
+            value=connection_class,
+        )
+    if pool is not None:
+        raise ConfigError(
+            "option 'connection_class' applies to the pool the kv creates (connection_string), "
+            "not to an injected pool: give the pool its connection_class instead",
+            option="connection_class",
+            value=connection_class,
+        )
+    return connection_class
+
+
 def check_pool_sizes(min_size: Any, max_size: Any) -> tuple[int, int]:
     """``min_size`` (int >= 0) and ``max_size`` (int >= max(1, min_size)) of an own pool."""
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-__all__ = ["Statements"]
+__all__ = ["Statements", "statements_for"]
 
 
 class Statements:
@@ -58,3 +58,23 @@ class Statements:
                     + " ORDER BY key"
                     + (" LIMIT %s" if limited else "")
                 )
+
+
+_MADE: dict[tuple[str, str, str], Statements] = {}
+_MADE_MAX = 64
+"""Statements composed so far, by ``(schema, table, client encoding)``: at most
+:data:`_MADE_MAX`, the oldest dropped first."""
+
+
+def statements_for(schema: str, table: str, context: psycopg.AsyncConnection[Any]) -> Statements:
+    """The statements of table ``schema.table``, composed once per process for every kv
+    on that table (the strings are the same each time: composing them again cost each
+    opening a tenth of a millisecond); ``context`` is a connection whose client encoding
+    quotes the names."""
+    key = (schema, table, context.info.encoding)
+    made = _MADE.get(key)
+    if made is None:
+        if len(_MADE) >= _MADE_MAX:
+            del _MADE[next(iter(_MADE))]
+        made = _MADE[key] = Statements(sql.Identifier(schema, table), context)
+    return made

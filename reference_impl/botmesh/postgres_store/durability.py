@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..core.kv_durability import KvDurability
@@ -49,7 +50,8 @@ class PostgresDurability(KvDurability):
     A call that gets no answer within ``query_timeout`` seconds (default 30; ``None``: no
     limit) — a partitioned or frozen server — fails with ``BackendUnavailableError``
     instead of hanging; its connection is cut, reported and replaced. ``timeout`` bounds
-    the wait for a connection from the pool.
+    the wait for a connection from the pool. ``connection_class`` (optional) is the
+    :class:`psycopg.AsyncConnection` subclass an own pool connects with.
     ``table_prefix`` must be 1 to 41 ASCII letters, digits or ``_`` not starting with a
     digit; ``schema`` (optional) places the table in that schema instead of the
     connection's ``search_path``. Bad options raise
@@ -71,6 +73,7 @@ class PostgresDurability(KvDurability):
         max_size: int = DEFAULT_MAX_SIZE,
         timeout: float = DEFAULT_TIMEOUT_S,
         query_timeout: float | None = DEFAULT_QUERY_TIMEOUT_S,
+        connection_class: type[psycopg.AsyncConnection[Any]] | None = None,
         name: str = "postgres",
     ) -> None:
         kv = PostgresKv(
@@ -83,6 +86,7 @@ class PostgresDurability(KvDurability):
             max_size=max_size,
             timeout=timeout,
             query_timeout=query_timeout,
+            connection_class=connection_class,
         )
         super().__init__(kv, own_kv=True, name=name)
 

@@ -157,6 +157,7 @@ from ._config import (
     DEFAULT_QUERY_TIMEOUT_S,
     DEFAULT_TABLE_PREFIX,
     DEFAULT_TIMEOUT_S,
+    check_connection_class,
     check_logger,
     check_pool_sizes,
     check_query_timeout,
@@ -167,6 +168,7 @@ from ._config import (
 )
 from ._settings import show_settings
 from ._statements import Statements as _Statements
+from ._statements import statements_for
 
 __all__ = ["PostgresKv"]
 
@@ -281,7 +283,9 @@ class PostgresKv(DurableKv):
     are reported (default ``logging.getLogger("botmesh.postgres")``). ``timeout`` —
     seconds to wait for a connection from the pool. ``query_timeout`` — seconds a call
     waits for the server's answer before its connection is cut and the call fails (None:
-    no limit; see "Unanswered calls" in the module docstring). A bad option raises
+    no limit; see "Unanswered calls" in the module docstring). ``connection_class`` — the
+    :class:`psycopg.AsyncConnection` subclass the kv's own pool connects with (None:
+    psycopg-pool's default; not with ``pool``). A bad option raises
     :class:`~botmesh.core.errors.ConfigError` naming it.
     """
 
@@ -299,6 +303,7 @@ class PostgresKv(DurableKv):
         max_size: int = DEFAULT_MAX_SIZE,
         timeout: float = DEFAULT_TIMEOUT_S,
         query_timeout: float | None = DEFAULT_QUERY_TIMEOUT_S,
+        connection_class: type[Conn] | None = None,
     ) -> None:
         check_source(pool, connection_string)
         self._table_prefix = check_table_prefix(table_prefix)
@@ -307,6 +312,7 @@ class PostgresKv(DurableKv):
         self._min_size, self._max_size = check_pool_sizes(min_size, max_size)
         self._timeout = check_timeout(timeout)
         self._query_timeout = check_query_timeout(query_timeout)
+        self._connection_class: type[Conn] | None = check_connection_class(connection_class, pool)
         self._injected_pool = pool
         self._conninfo = connection_string
         self._table = f"{self._table_prefix}durable"
@@ -388,6 +394,7 @@ class PostgresKv(DurableKv):
                     connections.add(conn)
 
                 self._connections = connections
+                own: dict[str, Any] = {} if self._connection_class is None else {"connection_class": self._connection_class}
                 pool = AsyncConnectionPool(
                     self._conninfo,
                     min_size=self._min_size,
@@ -397,6 +404,7 @@ class PostgresKv(DurableKv):
                     name=f"botmesh:{self._table}",
                     timeout=self._timeout,
                     configure=track,
+                    **own,
                 )
                 try:
                     # its first connection ready before the first call: asked while it was
@@ -680,32 +688,31 @@ class PostgresKv(DurableKv):
     # -- schema --------------------------------------------------------------------
 
     async def _prepare(self, conn: Conn) -> _Statements:
-        """Resolve the schema, create what is missing (BACK-2), compose the statements."""
-        schema = self._schema_option
-        if schema is None:
-            cursor = await conn.execute("SELECT current_schema()")
-            row = await cursor.fetchone()
-            schema = None if row is None else row[0]
-            if schema is None:
-                raise BackendUnavailableError(
-                    f"PostgreSQL {self._table}: no schema to keep the table in: the connection's search_path "
-                    "names no existing schema (set search_path, or give the `schema` option)",
-                    table=self._table,
-                )
-        self._schema = schema
-        names = [self._table, f"{self._table}_due", f"{self._table}_expires"]
+        """Resolve the schema, create what is missing (BACK-2), compose the statements.
+        One statement resolves the schema (the option, else ``current_schema()``) and
+        looks up the schema, the table and its two indexes in it: one round trip when
+        everything exists."""
         cursor = await conn.execute(
-            "SELECT to_regnamespace(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL,"
-            " to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
-            (
-                sql.Identifier(schema).as_string(conn),
-                *(sql.Identifier(schema, name).as_string(conn) for name in names),
-            ),
+            "SELECT s, to_regnamespace(quote_ident(s)) IS NOT NULL,"
+            " to_regclass(format('%%I.%%I', s, %s::text)) IS NOT NULL,"
+            " to_regclass(format('%%I.%%I', s, %s::text)) IS NOT NULL,"
+            " to_regclass(format('%%I.%%I', s, %s::text)) IS NOT NULL"
+            " FROM (SELECT coalesce(%s::text, current_schema()) AS s) AS resolved",
+            (self._table, f"{self._table}_due", f"{self._table}_expires", self._schema_option),
         )
         found = await cursor.fetchone()
-        if found is None or not all(found):
-            await self._create(conn, schema, create_schema=found is None or not found[0])
-        return _Statements(sql.Identifier(schema, self._table), conn)
+        schema = None if found is None else found[0]
+        if schema is None:
+            raise BackendUnavailableError(
+                f"PostgreSQL {self._table}: no schema to keep the table in: the connection's search_path "
+                "names no existing schema (set search_path, or give the `schema` option)",
+                table=self._table,
+            )
+        self._schema = schema
+        assert found is not None
+        if not all(found[1:]):
+            await self._create(conn, schema, create_schema=not found[1])
+        return statements_for(schema, self._table, conn)
 
     async def _create(self, conn: Conn, schema: str, *, create_schema: bool) -> None:
         """Create the schema (only when the ``schema`` option names a missing one), the
