@@ -1,0 +1,64 @@
+"""The virtual clock's settle (TEST-3, TEST-4: the crash world and the matrix drive time
+with it): it returns only once no busy work is runnable, also when that work waits on
+something other than the clock (a thread, as a backend's real I/O does)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from botmesh.core.clock import VirtualClock
+
+spec = pytest.mark.spec
+
+
+@spec("TEST-3", "TEST-4")
+async def test_settle_waits_for_busy_work_blocked_on_a_thread() -> None:
+    clock = VirtualClock(settle_timeout_s=30.0)
+    release = threading.Event()
+    steps: list[str] = []
+
+    async def work() -> None:
+        with clock.busy():
+            steps.append("started")
+            await asyncio.to_thread(release.wait)  # real I/O: not the clock, not runnable
+            steps.append("after the thread")
+            await asyncio.sleep(0)
+            steps.append("done")
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0)
+    assert steps == ["started"] and clock.active == 1
+    settling = asyncio.ensure_future(clock.settle())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not settling.done()  # the busy work is blocked, not finished: settle waits
+    release.set()
+    await settling
+    assert steps == ["started", "after the thread", "done"] and clock.active == 0
+    await task
+
+
+@spec("TEST-3", "TEST-4")
+async def test_settle_cancelled_while_waiting_leaves_nothing_behind() -> None:
+    clock = VirtualClock(settle_timeout_s=30.0)
+    release = threading.Event()
+
+    async def work() -> None:
+        with clock.busy():
+            await asyncio.to_thread(release.wait)
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0)
+    settling = asyncio.ensure_future(clock.settle())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    settling.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    release.set()
+    await task
+    await clock.settle()  # a later settle still returns once the work is over
+    assert clock.active == 0
