@@ -76,7 +76,7 @@ SUBSETS = 2
 """Seeded subset states (writeback in any order) asked of the model per cell, beside the
 prefixes and torn writes."""
 
-Recover = Callable[[World, Workload], Awaitable[None]]
+Recover = Callable[[World, Workload], Awaitable[object]]
 """How a cell recovers a world after its crash (:func:`botmesh_testkit.matrix.run.recover`)."""
 
 IDS = ("BACK-6",)
