@@ -62,3 +62,31 @@ async def test_settle_cancelled_while_waiting_leaves_nothing_behind() -> None:
     await task
     await clock.settle()  # a later settle still returns once the work is over
     assert clock.active == 0
+
+
+@spec("TEST-3", "TEST-4")
+async def test_advance_returns_once_the_work_it_woke_has_settled() -> None:
+    """``advance`` moves time past each deadline and returns only when what it woke ran
+    to its end, including work that work started (a chain of tasks and kv-like yields)."""
+    clock = VirtualClock(settle_timeout_s=30.0)
+    done: list[float] = []
+
+    async def chained() -> None:
+        with clock.busy():
+            for _ in range(10):
+                await asyncio.sleep(0)
+            done.append(clock.now())
+
+    async def sleeper(ms: float) -> None:
+        await clock.sleep(ms)
+        with clock.busy():
+            await asyncio.sleep(0)
+            asyncio.ensure_future(chained())
+
+    start = clock.now()
+    tasks = [asyncio.ensure_future(sleeper(ms)) for ms in (10.0, 30.0)]
+    await clock.advance(20.0)
+    assert done == [start + 10.0] and clock.now() == start + 20.0
+    await clock.advance(20.0)
+    assert done == [start + 10.0, start + 30.0] and clock.now() == start + 40.0
+    await asyncio.gather(*tasks)

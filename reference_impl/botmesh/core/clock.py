@@ -234,7 +234,9 @@ class VirtualClock:
         await self.advance_to(self._now + ms)
 
     async def advance_to(self, target: float) -> None:
-        """Move time forward to ``target`` (milliseconds since the epoch)."""
+        """Move time forward to ``target`` (milliseconds since the epoch). It returns
+        settled: the last thing it does that can start work (waking what is due) is
+        followed by a settle — moving ``now`` to ``target`` afterwards starts nothing."""
         await self.settle()
         while True:
             deadline = self.next_deadline()
@@ -244,7 +246,6 @@ class VirtualClock:
             await self.settle()
         if target > self._now:
             self._now = target
-        await self.settle()
 
     async def step(self) -> bool:
         """Jump to the next deadline (if any), wake what is due and settle. Returns False
