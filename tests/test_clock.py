@@ -90,3 +90,25 @@ async def test_advance_returns_once_the_work_it_woke_has_settled() -> None:
     await clock.advance(20.0)
     assert done == [start + 10.0, start + 30.0] and clock.now() == start + 40.0
     await asyncio.gather(*tasks)
+
+
+@spec("TEST-3", "TEST-4")
+async def test_busy_counts_a_task_once_and_waiting_lets_time_move() -> None:
+    """A task's nested busy blocks count once, until the outermost ends (also by an
+    exception); ``waiting`` inside one does not count, and counts again after."""
+    clock = VirtualClock(settle_timeout_s=30.0)
+    with clock.busy():
+        with clock.busy():
+            assert clock.active == 1
+            with clock.waiting():
+                assert clock.active == 0
+            assert clock.active == 1
+        assert clock.active == 1
+    assert clock.active == 0
+    with pytest.raises(ValueError), clock.busy():
+        assert clock.active == 1
+        raise ValueError("the work failed")
+    assert clock.active == 0
+    with clock.waiting():  # outside a busy block: nothing to release
+        assert clock.active == 0
+    assert clock.active == 0

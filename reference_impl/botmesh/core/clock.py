@@ -18,7 +18,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sized
+from collections.abc import AsyncIterator, Callable, Sized
 from typing import Protocol, runtime_checkable
 
 
@@ -67,6 +67,52 @@ class _Sleeper:
         self.cancelled = False
 
 
+class _Busy:
+    """:meth:`VirtualClock.busy` (a class, not ``contextlib.contextmanager``: entered for
+    every unit of work, issue 16)."""
+
+    __slots__ = ("_clock", "_task")
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self._clock = clock
+
+    def __enter__(self) -> None:
+        clock = self._clock
+        task = self._task = asyncio.current_task()
+        depth = clock._depth.get(task, 0) + 1
+        clock._depth[task] = depth
+        if depth == 1:
+            clock._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        clock, task = self._clock, self._task
+        depth = clock._depth[task] - 1
+        if depth == 0:
+            del clock._depth[task]
+            clock._dec()
+        else:
+            clock._depth[task] = depth
+
+
+class _Waiting:
+    """:meth:`VirtualClock.waiting`."""
+
+    __slots__ = ("_clock", "_in_busy")
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self._clock = clock
+
+    def __enter__(self) -> None:
+        clock = self._clock
+        self._in_busy = clock._depth.get(asyncio.current_task(), 0) > 0
+        if self._in_busy:
+            clock._dec()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._in_busy:
+            self._clock._active += 1
+
+
 class VirtualClock:
     """A clock whose time moves only when told to (``advance``, ``run_until``) or, in
     auto mode, whenever all busy work is blocked on the clock.
@@ -112,35 +158,16 @@ class VirtualClock:
                 self._active += 1
             raise
 
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        task = asyncio.current_task()
-        self._depth[task] = self._depth.get(task, 0) + 1
-        if self._depth[task] == 1:
-            self._active += 1
-        try:
-            yield
-        finally:
-            self._depth[task] -= 1
-            if self._depth[task] == 0:
-                del self._depth[task]
-                self._dec()
+    def busy(self) -> _Busy:
+        """A unit of engine work: counted busy while it runs (module docstring)."""
+        return _Busy(self)
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self) -> _Waiting:
         """Inside a busy block, mark a wait on *another task's* progress (a per-chat
         lock held by a send that sleeps on its backoff): it does not count as busy, or
         time could never move. The task waking it is busy when it releases it, and the
         wake-up sits in the loop's ready queue, which ``settle`` waits for."""
-        task = asyncio.current_task()
-        in_busy = self._depth.get(task, 0) > 0
-        if in_busy:
-            self._dec()
-        try:
-            yield
-        finally:
-            if in_busy:
-                self._active += 1
+        return _Waiting(self)
 
     # -- driving time -------------------------------------------------------------------
     def _dec(self) -> None:
