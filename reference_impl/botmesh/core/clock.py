@@ -199,41 +199,43 @@ class VirtualClock:
 
         On an event loop whose ready queue can be seen (asyncio's own), the wait ends at
         the first turn that finds it empty with no busy work, confirmed one turn later;
-        where it cannot be seen (another loop), every look lets the loop run four turns
-        first. Busy work that is not runnable (waiting on real I/O) is waited for on a
-        future its end resolves (issue 16: fewer loop turns, no task per wait)."""
+        while busy work runs, the wait is on a future the end of that work resolves (no
+        turn of the loop is spent looking, and the work's own turns are not shared with
+        this task: issue 16). Where the queue cannot be seen (another loop), every look
+        lets the loop run four turns first."""
         loop = asyncio.get_running_loop()
         ready_q: Sized | None = getattr(loop, "_ready", None)
         limit: float | None = None
         while True:
-            for _ in range(4):
+            if ready_q is None:
+                for _ in range(4):
+                    await asyncio.sleep(0)
+            else:
                 await asyncio.sleep(0)
-                if ready_q is not None and self._active <= 0 and not len(ready_q):
-                    break
-            if self._active <= 0 and (ready_q is None or not len(ready_q)):
-                await asyncio.sleep(0)
-                if self._active <= 0 and (ready_q is None or not len(ready_q)):
-                    return
-                continue
-            if self._active > 0:
-                if limit is None:
-                    limit = time.monotonic() + self.settle_timeout_s
-                remaining = limit - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"VirtualClock: busy work did not become idle within {self.settle_timeout_s}s of real time"
-                    )
-                # a future, not asyncio.wait_for: on 3.11 wait_for can swallow a
-                # cancellation of the caller that races with the inner wait completing
-                waiter: asyncio.Future[None] = loop.create_future()
-                self._idle.append(waiter)
-                timer = loop.call_later(min(remaining, 0.05), _resolve, waiter)
-                try:
-                    await waiter
-                finally:
-                    timer.cancel()
-                    if waiter in self._idle:
-                        self._idle.remove(waiter)
+            if self._active <= 0:
+                if ready_q is None or not len(ready_q):
+                    await asyncio.sleep(0)
+                    if self._active <= 0 and (ready_q is None or not len(ready_q)):
+                        return
+                continue  # work that is not busy is runnable: let it run
+            if limit is None:
+                limit = time.monotonic() + self.settle_timeout_s
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"VirtualClock: busy work did not become idle within {self.settle_timeout_s}s of real time"
+                )
+            # a future, not asyncio.wait_for: on 3.11 wait_for can swallow a cancellation
+            # of the caller that races with the inner wait completing
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._idle.append(waiter)
+            timer = loop.call_later(remaining, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                if waiter in self._idle:
+                    self._idle.remove(waiter)
 
     def _wake_due(self, until: float) -> bool:
         woke = False
