@@ -112,3 +112,76 @@ async def test_busy_counts_a_task_once_and_waiting_lets_time_move() -> None:
     with clock.waiting():  # outside a busy block: nothing to release
         assert clock.active == 0
     assert clock.active == 0
+
+
+class _TaskClock(VirtualClock):
+    """A virtual clock the heartbeat does not recognise: it waits for the first beat in a
+    task of its own, as it did on every clock before."""
+
+
+def _trace_heartbeat(clock: VirtualClock, yields_in_block: int, advance_ms: float) -> tuple[list[str], list[float]]:
+    """Turn by turn, what a ticking task and a heartbeat block did: the order of the
+    block's start, end and beats among the ticks."""
+    from botmesh.core.heartbeat import FirstBeats, Heartbeat
+
+    trace: list[str] = []
+    beats: list[float] = []
+
+    async def beat(until: float) -> bool:
+        beats.append(clock.now())
+        return True
+
+    async def main() -> None:
+        async def ticker() -> None:
+            for n in range(12):
+                trace.append(f"tick{n}")
+                await asyncio.sleep(0)
+
+        async def block() -> None:
+            with clock.busy():
+                async with Heartbeat(clock, beat, 3_000.0, FirstBeats()):
+                    trace.append("in")
+                    for _ in range(yields_in_block):
+                        await asyncio.sleep(0)
+                    if advance_ms:
+                        await clock.sleep(advance_ms)
+                trace.append("out")
+
+        ticking = asyncio.ensure_future(ticker())
+        work = asyncio.ensure_future(block())
+        if advance_ms:
+            await clock.advance(advance_ms + 1.0)
+        await asyncio.gather(work, ticking)
+
+    asyncio.run(main())
+    return trace, beats
+
+
+@spec("LEASE-1", "TEST-3", "TEST-4")
+@pytest.mark.parametrize(("yields_in_block", "advance_ms"), [(0, 0.0), (1, 0.0), (5, 0.0), (2, 2_500.0)])
+def test_a_heartbeat_without_its_task_keeps_the_order_of_everything(yields_in_block: int, advance_ms: float) -> None:
+    """On the virtual clock a heartbeat block waits for its first beat without a task:
+    the block still starts, beats and ends at the same turns, among the same other work,
+    as with the beating task the clock's heartbeats had (a clock it does not recognise
+    still gets one) — a block ending at once, after some turns, or after two beats."""
+    fast = _trace_heartbeat(VirtualClock(start_ms=0.0), yields_in_block, advance_ms)
+    tasked = _trace_heartbeat(_TaskClock(start_ms=0.0), yields_in_block, advance_ms)
+    assert fast == tasked
+    assert fast[1] == ([1_000.0, 2_000.0] if advance_ms else [])
+
+
+@spec("TEST-3")
+@pytest.mark.parametrize("ms", [0.0, -5.0, float("nan")])
+def test_call_later_refuses_a_delay_that_is_not_positive(ms: float) -> None:
+    with pytest.raises(ValueError, match="ms must be > 0"):
+        VirtualClock().call_later(ms, lambda: None)
+
+
+@spec("TEST-3")
+async def test_call_later_calls_at_the_deadline_unless_cancelled() -> None:
+    clock = VirtualClock(start_ms=0.0)
+    called: list[float] = []
+    clock.call_later(10.0, lambda: called.append(clock.now()))
+    clock.call_later(20.0, lambda: called.append(-1.0)).cancel()
+    await clock.advance(30.0)
+    assert called == [10.0] and clock.next_deadline() is None

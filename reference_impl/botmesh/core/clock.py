@@ -57,14 +57,35 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
 
 
 class _Sleeper:
-    __slots__ = ("deadline", "future", "task", "woken", "cancelled")
+    __slots__ = ("deadline", "future", "task", "woken", "cancelled", "callback")
 
-    def __init__(self, deadline: float, future: asyncio.Future[None], task: asyncio.Task[object] | None) -> None:
+    def __init__(
+        self, deadline: float, future: asyncio.Future[None] | None, task: asyncio.Task[object] | None,
+        callback: Callable[[], object] | None = None,
+    ) -> None:
         self.deadline = deadline
         self.future = future
         self.task = task
         self.woken = False
         self.cancelled = False
+        self.callback = callback
+
+    def done(self) -> bool:
+        future = self.future
+        return self.cancelled or (self.woken if future is None else future.done())
+
+
+class VirtualTimer:
+    """What :meth:`VirtualClock.call_later` returns: :meth:`cancel` it before it is due
+    and the callback is never called."""
+
+    __slots__ = ("_sleeper",)
+
+    def __init__(self, sleeper: _Sleeper) -> None:
+        self._sleeper = sleeper
+
+    def cancel(self) -> None:
+        self._sleeper.cancelled = True
 
 
 class _Busy:
@@ -143,20 +164,35 @@ class VirtualClock:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         in_busy = self._depth.get(task, 0) > 0
-        sleeper = _Sleeper(self._now + ms, loop.create_future(), task if in_busy else None)
+        future: asyncio.Future[None] = loop.create_future()
+        sleeper = _Sleeper(self._now + ms, future, task if in_busy else None)
         heapq.heappush(self._heap, (sleeper.deadline, next(self._seq), sleeper))
         if in_busy:
             self._dec()
         if self._new_sleeper is not None:
             self._new_sleeper.set()
         try:
-            await sleeper.future
+            await future
         except asyncio.CancelledError:
             sleeper.cancelled = True
             if in_busy and not sleeper.woken:
                 # the busy block we are in will decrement on exit: credit it back
                 self._active += 1
             raise
+
+    def call_later(self, ms: float, callback: Callable[[], object]) -> VirtualTimer:
+        """Call ``callback()`` when virtual time reaches ``now + ms`` (``ms > 0``): when
+        :meth:`sleep` taken now by a task outside busy work would wake it — the same
+        deadline, the same place among the sleepers due at that instant, called where the
+        sleeping task's wake-up would be scheduled — without a task (the engine's
+        heartbeats wait for their first beat this way: issue 16)."""
+        if not ms > 0:
+            raise ValueError(f"call_later: ms must be > 0, got {ms!r}")
+        sleeper = _Sleeper(self._now + ms, None, None, callback)
+        heapq.heappush(self._heap, (sleeper.deadline, next(self._seq), sleeper))
+        if self._new_sleeper is not None:
+            self._new_sleeper.set()
+        return VirtualTimer(sleeper)
 
     def busy(self) -> _Busy:
         """A unit of engine work: counted busy while it runs (module docstring)."""
@@ -189,7 +225,7 @@ class VirtualClock:
 
     def next_deadline(self) -> float | None:
         """The earliest pending sleep deadline, or None when nothing sleeps."""
-        while self._heap and (self._heap[0][2].cancelled or self._heap[0][2].future.done()):
+        while self._heap and self._heap[0][2].done():
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else None
 
@@ -249,7 +285,11 @@ class VirtualClock:
             sleeper.woken = True
             if sleeper.task is not None:
                 self._active += 1
-            sleeper.future.set_result(None)
+            if sleeper.future is None:
+                assert sleeper.callback is not None
+                sleeper.callback()
+            else:
+                sleeper.future.set_result(None)
             woke = True
             # wake everything due at exactly this instant together
             nxt = self.next_deadline()
