@@ -202,6 +202,39 @@ def test_durability_must_be_a_dict() -> None:
     assert info.value.option == "durability"
 
 
+@pytest.mark.spec("CONF-1")
+@pytest.mark.parametrize(
+    ("good", "bad", "option"),
+    [
+        ({"outbox": {"retries": 1}}, {"outbox": {"retries": True}}, "durability.outbox.retries"),
+        ({"inbox": {"max_attempts": 2}}, {"inbox": {"max_attempts": 2.0}}, "durability.inbox.max_attempts"),
+        ({"fail_open": False}, {"fail_open": 0}, "durability.fail_open"),
+    ],
+)
+def test_a_bad_value_equal_to_a_good_one_is_still_rejected(good: dict[str, Any], bad: dict[str, Any], option: str) -> None:
+    """CONF-1: a setting validated once is not taken for another that compares equal to
+    it (``True == 1``, ``2.0 == 2``, ``0 == False``): each bot's setting is judged as given."""
+    for _ in range(2):
+        assert _bot(good).durability is not None
+        with pytest.raises(ConfigError) as info:
+            _bot(bad)
+        assert info.value.option == option
+
+
+@pytest.mark.spec("CONF-1", "ENABLE-2")
+def test_bots_built_from_one_setting_get_its_values_and_their_own_backend() -> None:
+    """CONF-1: two bots of one setting have the same validated values; the backend of
+    each is the one it was given (or a fresh memory backend each, ENABLE-2)."""
+    setting = {"instance_id": "i1", "outbox": {"on_ambiguous": "resend", "lease_ms": "2s"}, "poll_ms": 250}
+    given = MemoryDurability()
+    a, b, c = _bot(setting), _bot(setting), _bot({**setting, "backend": given})
+    assert a.durability is not None and b.durability is not None and c.durability is not None
+    assert a.durability.config.outbox.on_ambiguous == "resend" and a.durability.config.outbox.lease_ms == 2000.0
+    assert a.durability.config.poll_ms == 250.0 and a.durability.config.instance_id == "i1"
+    assert a.durability.config.inbox == b.durability.config.inbox == c.durability.config.inbox
+    assert a.durability.backend is not b.durability.backend and c.durability.backend is given
+
+
 @pytest.mark.spec("OUT-17")
 @pytest.mark.parametrize("value", [20, "20ms", "0.02s", "1s"])
 def test_outbox_lease_of_20ms_or_more_is_accepted(value: Any) -> None:

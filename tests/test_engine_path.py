@@ -303,3 +303,32 @@ def test_a_durable_send_logs_and_hooks_what_a_plain_send_does(hooked: bool) -> N
         assert out and out[0]["content"]["blob"] == {"$bytes": "AP9wbmc="}, out
 
     run(body())
+
+
+@spec("OUT-15")
+@pytest.mark.parametrize(
+    "content",
+    [{"text": "hi", "parts": [1, 2.5, None, {"deep": [True]}]}, {"media": {"data": b"\x00\xff"}, "pair": ("a", 1)}],
+    ids=["plain", "bytes-and-tuple"],
+)
+def test_the_memory_store_logs_a_copy_of_each_entry(content: dict[str, Any]) -> None:
+    """``MemoryStore.append_message`` keeps its own deep copy of an entry, plain JSON or
+    not (bytes, a tuple: kept as they are): what the caller changes afterwards, at any
+    depth, is not in the log, and what the log hands out is a copy too."""
+
+    async def body() -> None:
+        store = MemoryStore()
+        entry = {"direction": "out", "chat_id": "c", "content": content, "at": 1.5}
+        await store.append_message(entry)
+        logged = (await store.messages("c"))[0]
+        assert logged == entry and logged["content"] is not content
+        for value in content.values():
+            if isinstance(value, (dict, list)):
+                value.clear()
+        entry["chat_id"] = "changed"
+        again = (await store.messages("c"))[0]
+        assert again == logged and type(again["content"].get("pair", ())) is tuple
+        again["content"].clear()
+        assert (await store.messages("c"))[0] == logged
+
+    run(body())

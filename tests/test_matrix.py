@@ -19,7 +19,9 @@ from botmesh_testkit.cli import main
 from botmesh_testkit.checker import order_violations
 from botmesh_testkit.matrix import POLICIES, Cell, Oracle, cells_for, draw_cells, random_cells, run_matrix
 from botmesh_testkit.matrix.profiles import ProfileError, load_profile
-from botmesh_testkit.matrix.workloads import WORKLOADS
+from botmesh_testkit.backends import resolve
+from botmesh_testkit.crash import World
+from botmesh_testkit.matrix.workloads import WORKLOADS, transient
 from conftest import collected_parts, shipped_scenario_files
 
 spec = pytest.mark.spec
@@ -121,6 +123,29 @@ async def test_same_seed_same_cells_same_outcome() -> None:
     ]
     other = await run_matrix(["memory"], ["three-sends"], random_per_workload=8, seed=100)
     assert [o.cell for o in other.outcomes if o.cell.point == "*"] != [o.cell for o in a.outcomes if o.cell.point == "*"]
+
+
+@spec("TEST-3", "TEST-4")
+@pytest.mark.parametrize("backend", ["memory", "file"])
+async def test_a_drain_hands_back_the_journals_it_found_settled(backend: str, tmp_path: Path) -> None:
+    """``World.drain`` returns the journals its last look found settled (what the history
+    check then judges instead of reading them again): equal to a fresh read; None when
+    the time given ran out with a send still retrying."""
+    w = WORKLOADS["three-sends"]
+    world = World(resolve(backend)(str(tmp_path)), setup=w.setup)
+    try:
+        await world.start()
+        world.channel.fail_next(transient(), times=8)  # past the inline budget: left to the sweep
+        await world.receive("c1", "go", id="m1")
+        assert await world.drain(1.0) is None  # a send still waits for its retry
+        settled = await world.drain()
+        assert settled is not None and world.bot is not None and world.bot.durability is not None
+        d = world.bot.durability
+        inbox, outbox = await d.inbox.list(), await d.outbox.list()
+        assert [r.to_json() for r in settled[0]] == [r.to_json() for r in inbox] and inbox
+        assert [r.to_json() for r in settled[1]] == [r.to_json() for r in outbox] and outbox
+    finally:
+        await world.close()
 
 
 PROFILE = """description = "two workloads, random cells only matter here"

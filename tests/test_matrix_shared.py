@@ -192,6 +192,23 @@ def test_the_work_root_is_the_environment_s_else_dev_shm(tmp_path: Path, monkeyp
     assert work_root() == ("/dev/shm" if shm_ok else None)
 
 
+@spec("TEST-4")
+def test_a_scratch_dir_is_removed_with_what_it_holds(tmp_path: Path, monkeypatch: Any) -> None:
+    """A cell's directory goes on exit, empty (one ``rmdir``) or holding a tree of files,
+    and also when the block raised; a directory already removed is no error."""
+    monkeypatch.setenv(WORK_ROOT_ENV, str(tmp_path))
+    with scratch_dir("empty-") as empty:
+        assert Path(empty).is_dir() and Path(empty).parent == tmp_path
+    with pytest.raises(RuntimeError), scratch_dir("full-") as full:
+        (Path(full) / "a" / "b").mkdir(parents=True)
+        (Path(full) / "a" / "b" / "journal").write_text("x")
+        (Path(full) / "top").write_text("y")
+        raise RuntimeError("the cell failed")
+    with scratch_dir("gone-") as gone:
+        os.rmdir(gone)
+    assert not Path(empty).exists() and not Path(full).exists() and list(tmp_path.iterdir()) == []
+
+
 def test_a_harness_reuses_no_storage_unless_it_says_so(tmp_path: Path) -> None:
     """The default of ``reuse_storage()`` and ``forkable()`` is no: a third party's harness
     keeps making its storage as before."""

@@ -15,21 +15,26 @@ the same workload (the oracle).
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
-from ..crash.world import World
+from ..crash.world import Journals, World
 from ..matrix.cells import Oracle, Outcome
 from .rules import delivery_violation, order_streams, order_violations
 from .violation import Violation
 
 
-async def check(world: World, truth: Oracle, outcome: Outcome) -> None:
-    """The history checker: append every broken guarantee to ``outcome.violations``."""
+async def check(world: World, truth: Oracle, outcome: Outcome, *, journals: Journals | None = None) -> None:
+    """The history checker: append every broken guarantee to ``outcome.violations``.
+    ``journals``: the bot's journals as they are now, when the caller has just read them
+    (what :meth:`World.drain` returned, nothing run since); else they are read here."""
     assert world.bot is not None and world.bot.durability is not None
     d = world.bot.durability
     policy = outcome.cell.policy
     v = outcome.violations
-    inbox = {r.id: r for r in await d.inbox.list()}
-    outbox = {r.key: r for r in await d.outbox.list()}
+    if journals is None:
+        journals = (await d.inbox.list(), await d.outbox.list())
+    inbox: dict[str, Any] = {r.id: r for r in journals[0]}
+    outbox: dict[str, Any] = {r.key: r for r in journals[1]}
 
     # inbound: nothing admitted is lost, everything settles as in the oracle
     for id, state in truth.inbox_states.items():

@@ -18,6 +18,7 @@ same seed. A call never waits inside another one here, so the lock cannot deadlo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from botmesh.core.backend import DurabilityBackend
@@ -48,12 +49,12 @@ class InterceptedBackend(DurabilityBackend):
         """Called before every read operation, ``start()`` and ``stop()``."""
 
     async def start(self) -> None:
-        async with self.serial or _NO_LOCK:
+        async with self.serial or contextlib.nullcontext():
             self.before_read()
             await self.inner.start()
 
     async def stop(self) -> None:
-        async with self.serial or _NO_LOCK:
+        async with self.serial or contextlib.nullcontext():
             self.before_read()
             await self.inner.stop()
 
@@ -62,22 +63,14 @@ class InterceptedBackend(DurabilityBackend):
         return await self.inner.durability_settings()
 
 
-class _NoLock:
-    """``async with`` that does nothing: a wrapper without ``serial``."""
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
-
-
 def _write(op: str, method: str) -> Any:
+    # the lock taken by hand, not with ``async with``: without one (``serial`` None, an
+    # embedded backend) no context manager is entered per call (issue 16)
     async def call(self: InterceptedBackend, *args: Any, **kwargs: Any) -> Any:
-        async with self.serial or _NO_LOCK:
+        serial = self.serial
+        if serial is not None:
+            await serial.acquire()
+        try:
             token = self.before_write(op, args, kwargs)
             try:
                 result = await getattr(self.inner, method)(*args, **kwargs)
@@ -86,6 +79,9 @@ def _write(op: str, method: str) -> Any:
                 raise
             self.after_write(op, token, args, kwargs, result)
             return result
+        finally:
+            if serial is not None:
+                serial.release()
 
     call.__name__ = method
     call.__doc__ = f"Write operation {op!r} around ``inner.{method}``."
@@ -94,7 +90,11 @@ def _write(op: str, method: str) -> Any:
 
 def _read(method: str) -> Any:
     async def call(self: InterceptedBackend, *args: Any, **kwargs: Any) -> Any:
-        async with self.serial or _NO_LOCK:
+        serial = self.serial
+        if serial is None:
+            self.before_read()
+            return await getattr(self.inner, method)(*args, **kwargs)
+        async with serial:
             self.before_read()
             return await getattr(self.inner, method)(*args, **kwargs)
 

@@ -23,6 +23,7 @@ from botmesh.core.bot import Bot
 from botmesh.core.clock import VirtualClock
 from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.provider import InboundEvent, Provider
+from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.store import Store
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
@@ -30,6 +31,9 @@ from ..backends.base import BackendHarness
 from .intercept import InterceptedBackend
 from .provider import ChannelProvider, CrashableProvider
 from .wrapper import CrashableBackend, crashable
+
+Journals = tuple[list[InboxRecord], list[OutboxRecord]]
+"""The two journals as read at one moment: ``(inbox records, outbox records)``."""
 
 DRAIN_MS = 150_000.0
 """Virtual time the crash matrix and the scenarios let pass after each stage: well past
@@ -199,21 +203,26 @@ class World:
             await self.bot.abandon()
         return await self.start(**durability)
 
-    async def drain(self, within_ms: float = 600_000.0) -> None:
+    async def drain(self, within_ms: float = 600_000.0) -> Journals | None:
         """Advance virtual time until nothing is due: every unfinished inbound record is
-        settled and every send is sent, dead or unknown (or ``within_ms`` passed)."""
+        settled and every send is sent, dead or unknown (or ``within_ms`` passed).
+
+        Returns the journals (inbox, outbox) as the look that found everything settled
+        read them — nothing runs between that look and the return, so they are the
+        journals as they are then — or None when it stopped otherwise (a death, or
+        ``within_ms`` passed)."""
         assert self.bot is not None and self.bot.durability is not None
         d = self.bot.durability
         end = self.clock.now() + within_ms
         while self.clock.now() < end:
             await self.clock.advance(d.config.poll_ms)
             if self.crashed:
-                return
+                return None
             try:
                 inbox = await d.backend.inbox_list(d.scope)
                 outbox = await d.backend.outbox_list(d.scope)
             except SimulatedCrash:
-                return
+                return None
             except BackendUnavailableError:
                 # Only the drain's own look failed (a backend that reads from its storage,
                 # e.g. a shared journal, met an injected I/O error): look again next tick.
@@ -221,7 +230,8 @@ class World:
             if all(r.state in ("done", "dead") for r in inbox) and all(
                 r.state in ("sent", "dead", "unknown") for r in outbox
             ):
-                return
+                return inbox, outbox
+        return None
 
     async def close(self) -> None:
         if self.bot is not None:

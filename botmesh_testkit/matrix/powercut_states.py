@@ -76,7 +76,7 @@ SUBSETS = 2
 """Seeded subset states (writeback in any order) asked of the model per cell, beside the
 prefixes and torn writes."""
 
-Recover = Callable[[World, Workload], Awaitable[None]]
+Recover = Callable[[World, Workload], Awaitable[object]]
 """How a cell recovers a world after its crash (:func:`botmesh_testkit.matrix.run.recover`)."""
 
 IDS = ("BACK-6",)
@@ -85,7 +85,11 @@ IDS = ("BACK-6",)
 
 def recording_io(harness: BackendHarness, workdir: str) -> PowerCutIO | None:
     """A :class:`PowerCutIO` on ``workdir`` handed to ``harness`` (None when the harness
-    does not do its file I/O through ``botmesh.core.fileio``). Call before it opens."""
+    does not do its file I/O through ``botmesh.core.fileio``). Call before it opens.
+    A harness that keeps :meth:`BackendHarness.use_file_io`'s default (which refuses any
+    ``FileIO``) is not handed one: no tree is read for it (issue 16, a cost per cell)."""
+    if type(harness).use_file_io is BackendHarness.use_file_io:
+        return None
     io = PowerCutIO(workdir)
     return io if harness.use_file_io(io) else None
 

@@ -31,7 +31,7 @@ from botmesh.core.store import Store
 from ..backends.base import BackendHarness
 from ..backends.registry import resolve
 from ..checker.history import check
-from ..crash.world import DRAIN_MS, World
+from ..crash.world import DRAIN_MS, Journals, World
 from .cells import POLICIES, Cell, MatrixResult, Oracle, Outcome, draw_cells
 from ..crash.fs.recording_io import PowerCutIO
 from .powercut_states import PowerCutStates, recording_io
@@ -99,9 +99,11 @@ class _StoreDown:
         return down
 
 
-async def recover(world: World, w: Workload) -> None:
+async def recover(world: World, w: Workload) -> Journals | None:
     """After a crash: a new bot, then the channel's redeliveries, drained. With
-    ``store_down_at_restart`` the bot's store fails during the first sweep pass."""
+    ``store_down_at_restart`` the bot's store fails during the first sweep pass. Returns
+    what the last drain returned: the journals as they are at the end, when it found
+    everything settled (:meth:`World.drain`), else None."""
     await world.restart()
     if w.store_down_at_restart:
         assert world.bot is not None  # the restarted bot is not crashable: it is there
@@ -113,10 +115,11 @@ async def recover(world: World, w: Workload) -> None:
             bot.store = store
     # the channel redelivers everything that was not acknowledged, in order
     await feed(world, w.inbound)
-    await world.drain(DRAIN_MS)
+    settled = await world.drain(DRAIN_MS)
     if w.answers:
         await feed(world, w.answers)
-        await world.drain(DRAIN_MS)
+        settled = await world.drain(DRAIN_MS)
+    return settled
 
 
 async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measure_recovery: bool = False) -> Outcome:
@@ -156,20 +159,21 @@ async def finish_cell(world: World, cell: Cell, seed: int, truth: Oracle, io: Po
         cuts = await PowerCutStates.capture(world, io, cell, seed)
     recovery_lines: frozenset[int] | None = None
     recovery_note: str | None = None
+    settled: Journals | None = None  # the journals at the end of the recovery, when it read them
     if crashed and measure_recovery:
         from .coverage import measure
 
         with measure() as measured:
-            await recover(world, w)
+            settled = await recover(world, w)
         recovery_lines, recovery_note = measured.lines, measured.note
     elif crashed:
-        await recover(world, w)
+        settled = await recover(world, w)
     elif measure_recovery:
         recovery_lines = frozenset()
     outcome = Outcome(cell, crashed, crash_point, history=history,
                       deliveries=[(m.chat_id, str(m.content.get("text"))) for m in world.channel.sent],
                       recovery_lines=recovery_lines, recovery_note=recovery_note)
-    await check(world, truth, outcome)
+    await check(world, truth, outcome, journals=settled)
     if cuts is not None:
         await cuts.judge(w, truth, outcome, recover)
     outcome.seconds = time.perf_counter() - started

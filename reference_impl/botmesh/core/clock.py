@@ -18,7 +18,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 
@@ -51,15 +51,102 @@ class RealClock:
         return contextlib.nullcontext()
 
 
-class _Sleeper:
-    __slots__ = ("deadline", "future", "task", "woken", "cancelled")
+def nothing_else_runnable(loop: asyncio.AbstractEventLoop) -> bool:
+    """True when a turn of ``loop`` taken now would run nothing but the caller: no
+    callback or task is ready and no timer is due (asyncio's own loop, whose queues can
+    be seen). False when something is, or when the loop's queues cannot be seen (another
+    loop: then a turn is always taken). Only an I/O readiness arriving in that very turn
+    could make a difference — what real I/O timing decides anyway (issue 16)."""
+    ready = getattr(loop, "_ready", None)
+    if ready is None or ready:
+        return False
+    scheduled = getattr(loop, "_scheduled", None)
+    if scheduled is None:
+        return False
+    return not scheduled or scheduled[0].when() > loop.time() + getattr(loop, "_clock_resolution", 1.0)
 
-    def __init__(self, deadline: float, future: asyncio.Future[None], task: asyncio.Task[object] | None) -> None:
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _Sleeper:
+    __slots__ = ("deadline", "future", "task", "woken", "cancelled", "callback")
+
+    def __init__(
+        self, deadline: float, future: asyncio.Future[None] | None, task: asyncio.Task[object] | None,
+        callback: Callable[[], object] | None = None,
+    ) -> None:
         self.deadline = deadline
         self.future = future
         self.task = task
         self.woken = False
         self.cancelled = False
+        self.callback = callback
+
+    def done(self) -> bool:
+        future = self.future
+        return self.cancelled or (self.woken if future is None else future.done())
+
+
+class VirtualTimer:
+    """What :meth:`VirtualClock.call_later` returns: :meth:`cancel` it before it is due
+    and the callback is never called."""
+
+    __slots__ = ("_sleeper",)
+
+    def __init__(self, sleeper: _Sleeper) -> None:
+        self._sleeper = sleeper
+
+    def cancel(self) -> None:
+        self._sleeper.cancelled = True
+
+
+class _Busy:
+    """:meth:`VirtualClock.busy` (a class, not ``contextlib.contextmanager``: entered for
+    every unit of work, issue 16)."""
+
+    __slots__ = ("_clock", "_task")
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self._clock = clock
+
+    def __enter__(self) -> None:
+        clock = self._clock
+        task = self._task = asyncio.current_task()
+        depth = clock._depth.get(task, 0) + 1
+        clock._depth[task] = depth
+        if depth == 1:
+            clock._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        clock, task = self._clock, self._task
+        depth = clock._depth[task] - 1
+        if depth == 0:
+            del clock._depth[task]
+            clock._dec()
+        else:
+            clock._depth[task] = depth
+
+
+class _Waiting:
+    """:meth:`VirtualClock.waiting`."""
+
+    __slots__ = ("_clock", "_in_busy")
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self._clock = clock
+
+    def __enter__(self) -> None:
+        clock = self._clock
+        self._in_busy = clock._depth.get(asyncio.current_task(), 0) > 0
+        if self._in_busy:
+            clock._dec()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._in_busy:
+            self._clock._active += 1
 
 
 class VirtualClock:
@@ -76,7 +163,7 @@ class VirtualClock:
         self._seq = itertools.count()
         self._active = 0
         self._depth: dict[asyncio.Task[object] | None, int] = {}
-        self._idle: asyncio.Event | None = None
+        self._idle: list[asyncio.Future[None]] = []  # settle()'s waits for the busy work to end
         self._new_sleeper: asyncio.Event | None = None
         self._auto_task: asyncio.Task[None] | None = None
         self.settle_timeout_s = settle_timeout_s
@@ -92,14 +179,15 @@ class VirtualClock:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         in_busy = self._depth.get(task, 0) > 0
-        sleeper = _Sleeper(self._now + ms, loop.create_future(), task if in_busy else None)
+        future: asyncio.Future[None] = loop.create_future()
+        sleeper = _Sleeper(self._now + ms, future, task if in_busy else None)
         heapq.heappush(self._heap, (sleeper.deadline, next(self._seq), sleeper))
         if in_busy:
             self._dec()
         if self._new_sleeper is not None:
             self._new_sleeper.set()
         try:
-            await sleeper.future
+            await future
         except asyncio.CancelledError:
             sleeper.cancelled = True
             if in_busy and not sleeper.woken:
@@ -107,41 +195,38 @@ class VirtualClock:
                 self._active += 1
             raise
 
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        task = asyncio.current_task()
-        self._depth[task] = self._depth.get(task, 0) + 1
-        if self._depth[task] == 1:
-            self._active += 1
-        try:
-            yield
-        finally:
-            self._depth[task] -= 1
-            if self._depth[task] == 0:
-                del self._depth[task]
-                self._dec()
+    def call_later(self, ms: float, callback: Callable[[], object]) -> VirtualTimer:
+        """Call ``callback()`` when virtual time reaches ``now + ms`` (``ms > 0``): when
+        :meth:`sleep` taken now by a task outside busy work would wake it — the same
+        deadline, the same place among the sleepers due at that instant, called where the
+        sleeping task's wake-up would be scheduled — without a task (the engine's
+        heartbeats wait for their first beat this way: issue 16)."""
+        if not ms > 0:
+            raise ValueError(f"call_later: ms must be > 0, got {ms!r}")
+        sleeper = _Sleeper(self._now + ms, None, None, callback)
+        heapq.heappush(self._heap, (sleeper.deadline, next(self._seq), sleeper))
+        if self._new_sleeper is not None:
+            self._new_sleeper.set()
+        return VirtualTimer(sleeper)
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
+    def busy(self) -> _Busy:
+        """A unit of engine work: counted busy while it runs (module docstring)."""
+        return _Busy(self)
+
+    def waiting(self) -> _Waiting:
         """Inside a busy block, mark a wait on *another task's* progress (a per-chat
         lock held by a send that sleeps on its backoff): it does not count as busy, or
         time could never move. The task waking it is busy when it releases it, and the
         wake-up sits in the loop's ready queue, which ``settle`` waits for."""
-        task = asyncio.current_task()
-        in_busy = self._depth.get(task, 0) > 0
-        if in_busy:
-            self._dec()
-        try:
-            yield
-        finally:
-            if in_busy:
-                self._active += 1
+        return _Waiting(self)
 
     # -- driving time -------------------------------------------------------------------
     def _dec(self) -> None:
         self._active -= 1
-        if self._active == 0 and self._idle is not None:
-            self._idle.set()
+        if self._active == 0 and self._idle:
+            waiters, self._idle = self._idle, []
+            for waiter in waiters:
+                _resolve(waiter)
 
     @property
     def auto_running(self) -> bool:
@@ -155,40 +240,56 @@ class VirtualClock:
 
     def next_deadline(self) -> float | None:
         """The earliest pending sleep deadline, or None when nothing sleeps."""
-        while self._heap and (self._heap[0][2].cancelled or self._heap[0][2].future.done()):
+        while self._heap and self._heap[0][2].done():
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else None
 
     async def settle(self) -> None:
         """Wait (in real time) until no busy work is runnable and the event loop has run
-        every ready callback."""
+        every ready callback.
+
+        On an event loop whose queues can be seen (asyncio's own), it returns as soon as
+        nothing is busy and a turn of the loop would run nothing
+        (:func:`nothing_else_runnable`); while busy work runs, it waits on a future the
+        end of that work resolves (no turn is spent looking, issue 16). Where the queues
+        cannot be seen (another loop), every look lets the loop run four turns first, and
+        an idle look is confirmed one turn later."""
         loop = asyncio.get_running_loop()
-        limit = time.monotonic() + self.settle_timeout_s
+        visible = getattr(loop, "_ready", None) is not None and getattr(loop, "_scheduled", None) is not None
+        limit: float | None = None
         while True:
-            for _ in range(4):
-                await asyncio.sleep(0)
-            ready = len(getattr(loop, "_ready", ()))
-            if self._active <= 0 and ready == 0:
-                await asyncio.sleep(0)
-                if self._active <= 0 and len(getattr(loop, "_ready", ())) == 0:
-                    return
-                continue
-            if self._active > 0:
-                if self._idle is None:
-                    self._idle = asyncio.Event()
-                self._idle.clear()
-                remaining = limit - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"VirtualClock: busy work did not become idle within {self.settle_timeout_s}s of real time"
-                    )
-                # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a cancellation
-                # of the caller that races with the inner wait completing
-                waiter = asyncio.ensure_future(self._idle.wait())
-                try:
-                    await asyncio.wait({waiter}, timeout=min(remaining, 0.05))
-                finally:
-                    waiter.cancel()
+            if visible:
+                if self._active <= 0:
+                    if nothing_else_runnable(loop):
+                        return
+                    await asyncio.sleep(0)  # work that is not busy is runnable: let it run
+                    continue
+            else:
+                for _ in range(4):
+                    await asyncio.sleep(0)
+                if self._active <= 0:
+                    await asyncio.sleep(0)
+                    if self._active <= 0:
+                        return
+                    continue
+            if limit is None:
+                limit = time.monotonic() + self.settle_timeout_s
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"VirtualClock: busy work did not become idle within {self.settle_timeout_s}s of real time"
+                )
+            # a future, not asyncio.wait_for: on 3.11 wait_for can swallow a cancellation
+            # of the caller that races with the inner wait completing
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._idle.append(waiter)
+            timer = loop.call_later(remaining, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                if waiter in self._idle:
+                    self._idle.remove(waiter)
 
     def _wake_due(self, until: float) -> bool:
         woke = False
@@ -202,7 +303,11 @@ class VirtualClock:
             sleeper.woken = True
             if sleeper.task is not None:
                 self._active += 1
-            sleeper.future.set_result(None)
+            if sleeper.future is None:
+                assert sleeper.callback is not None
+                sleeper.callback()
+            else:
+                sleeper.future.set_result(None)
             woke = True
             # wake everything due at exactly this instant together
             nxt = self.next_deadline()
@@ -216,7 +321,9 @@ class VirtualClock:
         await self.advance_to(self._now + ms)
 
     async def advance_to(self, target: float) -> None:
-        """Move time forward to ``target`` (milliseconds since the epoch)."""
+        """Move time forward to ``target`` (milliseconds since the epoch). It returns
+        settled: the last thing it does that can start work (waking what is due) is
+        followed by a settle — moving ``now`` to ``target`` afterwards starts nothing."""
         await self.settle()
         while True:
             deadline = self.next_deadline()
@@ -226,7 +333,6 @@ class VirtualClock:
             await self.settle()
         if target > self._now:
             self._now = target
-        await self.settle()
 
     async def step(self) -> bool:
         """Jump to the next deadline (if any), wake what is due and settle. Returns False

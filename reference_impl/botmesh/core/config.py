@@ -191,7 +191,11 @@ DURABILITY_OPTIONS = ("backend", "instance_id", "fail_open", "inbox", "outbox", 
 
 def parse_durability(value: Any) -> DurabilityConfig:
     """Validate the ``durability=`` setting of a bot. ``{}`` means a fresh
-    ``MemoryDurability`` (ENABLE-2)."""
+    ``MemoryDurability`` (ENABLE-2).
+
+    What does not depend on the backend is validated once per setting of plain values
+    (:func:`_settings`, kept in :data:`_PARSED`): a crash world builds a bot per
+    incarnation from the same setting (issue 16). The backend is checked every time."""
     raw = _mapping(
         value,
         "durability",
@@ -207,6 +211,45 @@ def parse_durability(value: Any) -> DurabilityConfig:
             option="durability.backend",
             value=backend,
         )
+    key = _plain_key({k: v for k, v in raw.items() if k != "backend"})
+    settings = None if key is None else _PARSED.get(key)
+    if settings is None:
+        settings = _settings(raw)
+        if key is not None:
+            if len(_PARSED) >= _PARSED_MAX:
+                _PARSED.clear()
+            _PARSED[key] = settings
+    return DurabilityConfig(backend, *settings)
+
+
+_PARSED: dict[Any, tuple[str | None, bool, InboxConfig, OutboxConfig, float, float]] = {}
+"""Settings already validated (:func:`_plain_key` of the setting without its backend ->
+what :func:`_settings` gave): the configs are frozen, so bots share them."""
+_PARSED_MAX = 256
+
+
+def _plain_key(value: Any) -> Any:
+    """A hashable key telling plain values apart by type as well (``True`` is not ``1``,
+    ``1`` is not ``1.0``): dicts item by item, in order, of ``str``, ``int``, ``float``,
+    ``bool`` and ``None``; None for anything else (such a setting is validated every
+    time)."""
+    t = type(value)
+    if t is dict:
+        items = []
+        for k, v in value.items():
+            frozen = _plain_key(v)
+            if type(k) is not str or frozen is None:
+                return None
+            items.append((k, frozen))
+        return (dict, tuple(items))
+    if t is str or t is int or t is float or t is bool or value is None:
+        return (t, value)
+    return None
+
+
+def _settings(raw: dict[str, Any]) -> tuple[str | None, bool, InboxConfig, OutboxConfig, float, float]:
+    """Everything of the setting ``raw`` but its backend, validated, in the order of the
+    fields of :class:`DurabilityConfig`."""
     instance_id = raw.get("instance_id")
     if instance_id is not None and (not isinstance(instance_id, str) or not instance_id.strip()):
         raise ConfigError(
@@ -237,12 +280,6 @@ def parse_durability(value: Any) -> DurabilityConfig:
         lease_ms=parse_duration(ob.get("lease_ms", "60s"), "durability.outbox.lease_ms", minimum=LEASE_MIN_MS),  # OUT-17
     )
     poll_ms = parse_duration(raw.get("poll_ms", "1s"), "durability.poll_ms", minimum=POLL_MIN_MS)
-    return DurabilityConfig(
-        backend=backend,
-        instance_id=instance_id,
-        fail_open=_bool(raw.get("fail_open", False), "durability.fail_open"),
-        inbox=inbox,
-        outbox=outbox,
-        poll_ms=poll_ms,
-        retention_ms=parse_duration(raw.get("retention", "7d"), "durability.retention"),
-    )
+    fail_open = _bool(raw.get("fail_open", False), "durability.fail_open")
+    retention_ms = parse_duration(raw.get("retention", "7d"), "durability.retention")
+    return instance_id, fail_open, inbox, outbox, poll_ms, retention_ms

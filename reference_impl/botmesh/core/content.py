@@ -63,7 +63,8 @@ def _encode(value: Any, path: str) -> Any:
             if not isinstance(k, str):
                 raise UnencodableContent(f"{path}: key {k!r} is not a string")
             _check_str(k, path, "the key")
-            out[k] = _encode(v, f"{path}.{k}")
+            # an ASCII str (a text, the usual value) is kept as it is: no path built for it
+            out[k] = v if type(v) is str and v.isascii() else _encode(v, f"{path}.{k}")
         return out
     if isinstance(value, (list, tuple)):
         return [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]

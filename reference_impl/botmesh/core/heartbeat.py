@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-from .clock import Clock, RealClock
+from .clock import Clock, RealClock, VirtualClock, VirtualTimer, nothing_else_runnable
 from .keylocks import acquire_waiting
 
 
@@ -72,11 +72,15 @@ class Heartbeat:
     lease_ms)`` every ``lease_ms / 3`` while the block runs, until a beat returns False.
     On the real clock the wait for the first beat is the timer of ``first_beats``, shared
     by all the blocks of a runtime (:class:`FirstBeats`), not a task: most blocks end
-    before it, and then no task was made. A beat that died of a ``BaseException``
-    that is not an ``Exception`` (a simulated process death) is raised when the block
-    ends."""
+    before it, and then no task was made. On the virtual clock it is a
+    :meth:`VirtualClock.call_later <botmesh.core.clock.VirtualClock.call_later>` armed
+    where the beating task would have started, and the end of a block that never beat
+    takes the turns of the loop the end of that task took (:meth:`_end_unstarted`): the
+    same order of everything, without a task per block (issue 16). A beat that died of
+    a ``BaseException`` that is not an ``Exception`` (a simulated process death) is
+    raised when the block ends."""
 
-    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_first_beats")
+    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_first_beats", "_arming", "_timer", "_ended")
 
     def __init__(
         self, clock: Clock, beat: Callable[[float], Awaitable[bool]], lease_ms: float, first_beats: FirstBeats
@@ -86,6 +90,9 @@ class Heartbeat:
         self._lease_ms = lease_ms
         self._tasks: list[asyncio.Task[None]] = []
         self._first_beats = first_beats
+        self._arming: asyncio.Handle | None = None  # virtual clock: the arming not run yet
+        self._timer: VirtualTimer | None = None  # virtual clock: the first beat's timer
+        self._ended: asyncio.Future[None] | None = None  # the block ended before its arming ran
 
     async def _beats(self, sleep_first: bool) -> None:
         clock, lease_ms = self._clock, self._lease_ms
@@ -100,9 +107,25 @@ class Heartbeat:
     def _start(self, sleep_first: bool) -> None:
         self._tasks.append(asyncio.ensure_future(self._beats(sleep_first)))
 
+    def _arm(self, clock: VirtualClock) -> None:
+        """Where the beating task's first step would run: its sleep until the first beat
+        (the task itself only when the beat is due, :meth:`_first_beat`)."""
+        self._arming = None
+        if self._ended is not None:  # the task's step would have ended it, cancelled
+            asyncio.get_running_loop().call_soon(_resolve, self._ended)
+            return
+        self._timer = clock.call_later(self._lease_ms / 3.0, self._first_beat)
+
+    def _first_beat(self) -> None:
+        self._timer = None
+        self._start(False)
+
     async def __aenter__(self) -> None:
-        if type(self._clock) is RealClock:
+        clock = self._clock
+        if type(clock) is RealClock:
             self._first_beats.add(self, max(0.0, self._lease_ms / 3.0) / 1000.0)
+        elif type(clock) is VirtualClock and self._lease_ms > 0:
+            self._arming = asyncio.get_running_loop().call_soon(self._arm, clock)
         else:
             self._start(True)
 
@@ -110,6 +133,9 @@ class Heartbeat:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._first_beats.remove(self)
+        if not self._tasks and (self._arming is not None or self._timer is not None):
+            await self._end_unstarted()
+            return
         for task in self._tasks:
             task.cancel()
             await asyncio.wait({task})
@@ -117,6 +143,35 @@ class Heartbeat:
                 died = task.exception()
                 if not isinstance(died, Exception):  # a simulated process death
                     raise died  # type: ignore[misc]
+
+    async def _end_unstarted(self) -> None:
+        """End a block (virtual clock) whose first beat never came: return after the
+        turns ``task.cancel()`` and ``asyncio.wait`` took on a beating task sleeping
+        there (its cancelled step, then the wait's completion callback, then this task's
+        wake-up), each at the place in the loop's queue they had."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        if self._arming is not None:  # the task would not have run yet: its step ends it
+            self._ended = waiter
+        else:
+            assert self._timer is not None
+            self._timer.cancel()
+            self._timer = None
+            if nothing_else_runnable(loop):
+                return  # those turns would run nothing else: the same order without them
+            loop.call_soon(_chain, waiter)  # the cancelled sleep's wake-up
+        await waiter
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    """The wait's completion callback: wake the task that ends the block."""
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _chain(waiter: asyncio.Future[None]) -> None:
+    """The cancelled task's step: its end schedules the wait's completion callback."""
+    asyncio.get_running_loop().call_soon(_resolve, waiter)
 
 
 class ChatOrder:

@@ -242,6 +242,19 @@ def _copy_list(value: list[Any], depth: int) -> list[Any]:
     return out
 
 
+def copy_plain_dict(value: dict[str, Any]) -> dict[str, Any] | None:
+    """A deep copy of ``value`` when it is a *plain* JSON object (see
+    :func:`check_json_object`: exactly ``dict``/``list`` containers with ``str`` keys,
+    ``str``, ``int``, ``bool``, ``None`` and finite ``float``, at most 100 levels deep),
+    copied container by container; None when it is not one."""
+    if type(value) is dict:
+        try:
+            return _copy_dict(value, 1)
+        except _NotPlain:
+            pass
+    return None
+
+
 def check_json_object(value: Any) -> dict[str, Any]:
     """Deep-copy ``value`` as a JSON round trip would (``json.loads`` of
     :func:`encode_json_object`), raising ``TypeError`` when it is not a JSON object

@@ -1,0 +1,207 @@
+"""The virtual clock's settle (TEST-3, TEST-4: the crash world and the matrix drive time
+with it): it returns only once no busy work is runnable, also when that work waits on
+something other than the clock (a thread, as a backend's real I/O does)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from botmesh.core.clock import VirtualClock
+
+spec = pytest.mark.spec
+
+
+@spec("TEST-3", "TEST-4")
+async def test_settle_waits_for_busy_work_blocked_on_a_thread() -> None:
+    clock = VirtualClock(settle_timeout_s=30.0)
+    release = threading.Event()
+    steps: list[str] = []
+
+    async def work() -> None:
+        with clock.busy():
+            steps.append("started")
+            await asyncio.to_thread(release.wait)  # real I/O: not the clock, not runnable
+            steps.append("after the thread")
+            await asyncio.sleep(0)
+            steps.append("done")
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0)
+    assert steps == ["started"] and clock.active == 1
+    settling = asyncio.ensure_future(clock.settle())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not settling.done()  # the busy work is blocked, not finished: settle waits
+    release.set()
+    await settling
+    assert steps == ["started", "after the thread", "done"] and clock.active == 0
+    await task
+
+
+@spec("TEST-3", "TEST-4")
+async def test_settle_cancelled_while_waiting_leaves_nothing_behind() -> None:
+    clock = VirtualClock(settle_timeout_s=30.0)
+    release = threading.Event()
+
+    async def work() -> None:
+        with clock.busy():
+            await asyncio.to_thread(release.wait)
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0)
+    settling = asyncio.ensure_future(clock.settle())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    settling.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    release.set()
+    await task
+    await clock.settle()  # a later settle still returns once the work is over
+    assert clock.active == 0
+
+
+@spec("TEST-3", "TEST-4")
+async def test_advance_returns_once_the_work_it_woke_has_settled() -> None:
+    """``advance`` moves time past each deadline and returns only when what it woke ran
+    to its end, including work that work started (a chain of tasks and kv-like yields)."""
+    clock = VirtualClock(settle_timeout_s=30.0)
+    done: list[float] = []
+
+    async def chained() -> None:
+        with clock.busy():
+            for _ in range(10):
+                await asyncio.sleep(0)
+            done.append(clock.now())
+
+    async def sleeper(ms: float) -> None:
+        await clock.sleep(ms)
+        with clock.busy():
+            await asyncio.sleep(0)
+            asyncio.ensure_future(chained())
+
+    start = clock.now()
+    tasks = [asyncio.ensure_future(sleeper(ms)) for ms in (10.0, 30.0)]
+    await clock.advance(20.0)
+    assert done == [start + 10.0] and clock.now() == start + 20.0
+    await clock.advance(20.0)
+    assert done == [start + 10.0, start + 30.0] and clock.now() == start + 40.0
+    await asyncio.gather(*tasks)
+
+
+@spec("TEST-3", "TEST-4")
+async def test_busy_counts_a_task_once_and_waiting_lets_time_move() -> None:
+    """A task's nested busy blocks count once, until the outermost ends (also by an
+    exception); ``waiting`` inside one does not count, and counts again after."""
+    clock = VirtualClock(settle_timeout_s=30.0)
+    with clock.busy():
+        with clock.busy():
+            assert clock.active == 1
+            with clock.waiting():
+                assert clock.active == 0
+            assert clock.active == 1
+        assert clock.active == 1
+    assert clock.active == 0
+    with pytest.raises(ValueError), clock.busy():
+        assert clock.active == 1
+        raise ValueError("the work failed")
+    assert clock.active == 0
+    with clock.waiting():  # outside a busy block: nothing to release
+        assert clock.active == 0
+    assert clock.active == 0
+
+
+class _TaskClock(VirtualClock):
+    """A virtual clock the heartbeat does not recognise: it waits for the first beat in a
+    task of its own, as it did on every clock before."""
+
+
+def _trace_heartbeat(clock: VirtualClock, yields_in_block: int, advance_ms: float) -> tuple[list[str], list[float]]:
+    """Turn by turn, what a ticking task and a heartbeat block did: the order of the
+    block's start, end and beats among the ticks."""
+    from botmesh.core.heartbeat import FirstBeats, Heartbeat
+
+    trace: list[str] = []
+    beats: list[float] = []
+
+    async def beat(until: float) -> bool:
+        beats.append(clock.now())
+        return True
+
+    async def main() -> None:
+        async def ticker() -> None:
+            for n in range(12):
+                trace.append(f"tick{n}")
+                await asyncio.sleep(0)
+
+        async def block() -> None:
+            with clock.busy():
+                async with Heartbeat(clock, beat, 3_000.0, FirstBeats()):
+                    trace.append("in")
+                    for _ in range(yields_in_block):
+                        await asyncio.sleep(0)
+                    if advance_ms:
+                        await clock.sleep(advance_ms)
+                trace.append("out")
+
+        ticking = asyncio.ensure_future(ticker())
+        work = asyncio.ensure_future(block())
+        if advance_ms:
+            await clock.advance(advance_ms + 1.0)
+        await asyncio.gather(work, ticking)
+
+    asyncio.run(main())
+    return trace, beats
+
+
+@spec("LEASE-1", "TEST-3", "TEST-4")
+@pytest.mark.parametrize(("yields_in_block", "advance_ms"), [(0, 0.0), (1, 0.0), (5, 0.0), (2, 2_500.0)])
+def test_a_heartbeat_without_its_task_keeps_the_order_of_everything(yields_in_block: int, advance_ms: float) -> None:
+    """On the virtual clock a heartbeat block waits for its first beat without a task:
+    the block still starts, beats and ends at the same turns, among the same other work,
+    as with the beating task the clock's heartbeats had (a clock it does not recognise
+    still gets one) — a block ending at once, after some turns, or after two beats."""
+    fast = _trace_heartbeat(VirtualClock(start_ms=0.0), yields_in_block, advance_ms)
+    tasked = _trace_heartbeat(_TaskClock(start_ms=0.0), yields_in_block, advance_ms)
+    assert fast == tasked
+    assert fast[1] == ([1_000.0, 2_000.0] if advance_ms else [])
+
+
+@spec("TEST-3")
+@pytest.mark.parametrize("ms", [0.0, -5.0, float("nan")])
+def test_call_later_refuses_a_delay_that_is_not_positive(ms: float) -> None:
+    with pytest.raises(ValueError, match="ms must be > 0"):
+        VirtualClock().call_later(ms, lambda: None)
+
+
+@spec("TEST-3")
+async def test_call_later_calls_at_the_deadline_unless_cancelled() -> None:
+    clock = VirtualClock(start_ms=0.0)
+    called: list[float] = []
+    clock.call_later(10.0, lambda: called.append(clock.now()))
+    clock.call_later(20.0, lambda: called.append(-1.0)).cancel()
+    await clock.advance(30.0)
+    assert called == [10.0] and clock.next_deadline() is None
+
+
+@spec("TEST-3", "TEST-4")
+async def test_settle_lets_ready_work_and_due_timers_run_first() -> None:
+    """Nothing busy, but a callback ready, a task that is not busy work, a timer due: all
+    have run when settle returns."""
+    clock = VirtualClock()
+    loop = asyncio.get_running_loop()
+    ran: list[str] = []
+    loop.call_soon(ran.append, "callback")
+    loop.call_at(loop.time() - 1.0, ran.append, "timer")
+
+    async def chain() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        ran.append("task")
+
+    asyncio.ensure_future(chain())
+    await clock.settle()
+    assert sorted(ran) == ["callback", "task", "timer"]
