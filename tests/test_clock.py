@@ -185,23 +185,3 @@ async def test_call_later_calls_at_the_deadline_unless_cancelled() -> None:
     clock.call_later(20.0, lambda: called.append(-1.0)).cancel()
     await clock.advance(30.0)
     assert called == [10.0] and clock.next_deadline() is None
-
-
-@spec("TEST-3", "TEST-4")
-async def test_settle_lets_ready_work_and_due_timers_run_first() -> None:
-    """Nothing busy, but a callback ready, a task that is not busy work, a timer due: all
-    have run when settle returns."""
-    clock = VirtualClock()
-    loop = asyncio.get_running_loop()
-    ran: list[str] = []
-    loop.call_soon(ran.append, "callback")
-    loop.call_at(loop.time() - 1.0, ran.append, "timer")
-
-    async def chain() -> None:
-        for _ in range(5):
-            await asyncio.sleep(0)
-        ran.append("task")
-
-    asyncio.ensure_future(chain())
-    await clock.settle()
-    assert sorted(ran) == ["callback", "task", "timer"]

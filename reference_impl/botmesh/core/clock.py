@@ -18,7 +18,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sized
 from typing import Protocol, runtime_checkable
 
 
@@ -49,21 +49,6 @@ class RealClock:
 
     def waiting(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
-
-
-def nothing_else_runnable(loop: asyncio.AbstractEventLoop) -> bool:
-    """True when a turn of ``loop`` taken now would run nothing but the caller: no
-    callback or task is ready and no timer is due (asyncio's own loop, whose queues can
-    be seen). False when something is, or when the loop's queues cannot be seen (another
-    loop: then a turn is always taken). Only an I/O readiness arriving in that very turn
-    could make a difference — what real I/O timing decides anyway (issue 16)."""
-    ready = getattr(loop, "_ready", None)
-    if ready is None or ready:
-        return False
-    scheduled = getattr(loop, "_scheduled", None)
-    if scheduled is None:
-        return False
-    return not scheduled or scheduled[0].when() > loop.time() + getattr(loop, "_clock_resolution", 1.0)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:
@@ -248,30 +233,27 @@ class VirtualClock:
         """Wait (in real time) until no busy work is runnable and the event loop has run
         every ready callback.
 
-        On an event loop whose queues can be seen (asyncio's own), it returns as soon as
-        nothing is busy and a turn of the loop would run nothing
-        (:func:`nothing_else_runnable`); while busy work runs, it waits on a future the
-        end of that work resolves (no turn is spent looking, issue 16). Where the queues
-        cannot be seen (another loop), every look lets the loop run four turns first, and
-        an idle look is confirmed one turn later."""
+        On an event loop whose ready queue can be seen (asyncio's own), the wait ends at
+        the first turn that finds it empty with no busy work, confirmed one turn later;
+        while busy work runs, the wait is on a future the end of that work resolves (no
+        turn of the loop is spent looking, and the work's own turns are not shared with
+        this task: issue 16). Where the queue cannot be seen (another loop), every look
+        lets the loop run four turns first."""
         loop = asyncio.get_running_loop()
-        visible = getattr(loop, "_ready", None) is not None and getattr(loop, "_scheduled", None) is not None
+        ready_q: Sized | None = getattr(loop, "_ready", None)
         limit: float | None = None
         while True:
-            if visible:
-                if self._active <= 0:
-                    if nothing_else_runnable(loop):
-                        return
-                    await asyncio.sleep(0)  # work that is not busy is runnable: let it run
-                    continue
-            else:
+            if ready_q is None:
                 for _ in range(4):
                     await asyncio.sleep(0)
-                if self._active <= 0:
+            else:
+                await asyncio.sleep(0)
+            if self._active <= 0:
+                if ready_q is None or not len(ready_q):
                     await asyncio.sleep(0)
-                    if self._active <= 0:
+                    if self._active <= 0 and (ready_q is None or not len(ready_q)):
                         return
-                    continue
+                continue  # work that is not busy is runnable: let it run
             if limit is None:
                 limit = time.monotonic() + self.settle_timeout_s
             remaining = limit - time.monotonic()

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-from .clock import Clock, RealClock, VirtualClock, VirtualTimer, nothing_else_runnable
+from .clock import Clock, RealClock, VirtualClock, VirtualTimer
 from .keylocks import acquire_waiting
 
 
@@ -149,17 +149,14 @@ class Heartbeat:
         turns ``task.cancel()`` and ``asyncio.wait`` took on a beating task sleeping
         there (its cancelled step, then the wait's completion callback, then this task's
         wake-up), each at the place in the loop's queue they had."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        waiter = asyncio.get_running_loop().create_future()
         if self._arming is not None:  # the task would not have run yet: its step ends it
             self._ended = waiter
         else:
             assert self._timer is not None
             self._timer.cancel()
             self._timer = None
-            if nothing_else_runnable(loop):
-                return  # those turns would run nothing else: the same order without them
-            loop.call_soon(_chain, waiter)  # the cancelled sleep's wake-up
+            asyncio.get_running_loop().call_soon(_chain, waiter)  # the cancelled sleep's wake-up
         await waiter
 
 

@@ -9,7 +9,6 @@ import asyncio
 from collections.abc import Generator
 from typing import Any
 
-from .clock import nothing_else_runnable
 from .errors import BackendUnavailableError, VersionConflict
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .kv_durability import KvDurability
@@ -45,12 +44,21 @@ _NOTHING = _Nothing()
 
 def _suspension_point() -> _Turn | _Nothing:
     """The end of every :class:`MemoryKv` call: a suspension point, as the I/O of any
-    other kv is — whatever else is runnable runs there. When nothing else is
-    (:func:`~botmesh.core.clock.nothing_else_runnable`: no ready callback or task, no
-    timer due, on asyncio's own loop), the turn is not taken: it would only resume the
-    caller at once (issue 16: a loop turn was the largest single cost of a call), and
-    every task, callback and timer still runs in the same order as with the turn."""
-    return _NOTHING if nothing_else_runnable(asyncio.get_running_loop()) else _TURN
+    other kv is — whatever else is runnable runs there. On asyncio's own event loop,
+    when nothing else is runnable (no ready callback, no timer due), the turn is not
+    taken: it would only resume the caller at once (issue 16: a loop turn was the
+    largest single cost of a call), and every task, callback and timer still runs in
+    the same order as with the turn. Only an I/O readiness that arrives exactly then
+    could be seen a turn later — what real I/O timing decides anyway. Another loop, or
+    a loop whose queues cannot be seen: the turn is always taken."""
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)
+    if ready is None or ready:
+        return _TURN
+    scheduled = getattr(loop, "_scheduled", None)
+    if scheduled is None or (scheduled and scheduled[0].when() <= loop.time() + getattr(loop, "_clock_resolution", 1.0)):
+        return _TURN
+    return _NOTHING
 
 
 class MemoryKv(DurableKv):
