@@ -51,7 +51,8 @@ class RealClock:
         return contextlib.nullcontext()
 
 
-def _resolve(waiter: asyncio.Future[None]) -> None:
+def resolve_waiter(waiter: asyncio.Future[None]) -> None:
+    """Wake whoever waits on ``waiter`` (a callback: nothing if it is already done)."""
     if not waiter.done():
         waiter.set_result(None)
 
@@ -211,7 +212,7 @@ class VirtualClock:
         if self._active == 0 and self._idle:
             waiters, self._idle = self._idle, []
             for waiter in waiters:
-                _resolve(waiter)
+                resolve_waiter(waiter)
 
     @property
     def auto_running(self) -> bool:
@@ -265,7 +266,7 @@ class VirtualClock:
             # of the caller that races with the inner wait completing
             waiter: asyncio.Future[None] = loop.create_future()
             self._idle.append(waiter)
-            timer = loop.call_later(remaining, _resolve, waiter)
+            timer = loop.call_later(remaining, resolve_waiter, waiter)
             try:
                 await waiter
             finally:

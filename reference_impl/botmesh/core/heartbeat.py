@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-from .clock import Clock, RealClock, VirtualClock, VirtualTimer
+from .clock import Clock, RealClock, VirtualClock, VirtualTimer, resolve_waiter
 from .keylocks import acquire_waiting
 
 
@@ -112,7 +112,7 @@ class Heartbeat:
         (the task itself only when the beat is due, :meth:`_first_beat`)."""
         self._arming = None
         if self._ended is not None:  # the task's step would have ended it, cancelled
-            asyncio.get_running_loop().call_soon(_resolve, self._ended)
+            asyncio.get_running_loop().call_soon(resolve_waiter, self._ended)
             return
         self._timer = clock.call_later(self._lease_ms / 3.0, self._first_beat)
 
@@ -160,15 +160,9 @@ class Heartbeat:
         await waiter
 
 
-def _resolve(waiter: asyncio.Future[None]) -> None:
-    """The wait's completion callback: wake the task that ends the block."""
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 def _chain(waiter: asyncio.Future[None]) -> None:
     """The cancelled task's step: its end schedules the wait's completion callback."""
-    asyncio.get_running_loop().call_soon(_resolve, waiter)
+    asyncio.get_running_loop().call_soon(resolve_waiter, waiter)
 
 
 class ChatOrder:
