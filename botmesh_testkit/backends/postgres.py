@@ -259,9 +259,11 @@ class PostgresHarness(BackendHarness):
             await task
 
 
+@functools.cache
 def _asynchronous_commits(url: str) -> str:
     """``url`` with ``-c synchronous_commit=off`` added to its ``options`` (module
-    docstring): a ``key=value`` connection string."""
+    docstring): a ``key=value`` connection string. Parsed once per URL: every
+    incarnation's opening asks."""
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     options = str(conninfo_to_dict(url).get("options") or "")
