@@ -26,7 +26,9 @@ temporary directory, with its own event loop; each step has a real-time budget
 Budget and reproduction: :func:`explore` runs at most ``examples`` examples and stops
 starting new ones once ``seconds`` have passed (checked between chunks of
 :data:`CHUNK` examples, the first chunk always runs; each chunk seeded ``seed + i``, so a run not cut by
-time is the same run again under the same seed). With a ``database`` directory
+time is the same run again under the same seed — in any process: Hypothesis's draw of a
+literal found in the code it runs beside is kept out (:func:`_seed_only_draws`). With a
+``database`` directory
 (the plugin's: ``.pytest_cache/d/botmesh-explore/<backend>``) a failure found once is
 replayed first by the next run, as Hypothesis does. Shrinking a failure is
 Hypothesis's: it may take longer than the budget (each replay of a hanging step costs
@@ -40,7 +42,8 @@ import logging
 import re
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -435,8 +438,42 @@ def _multi_process(backend: str) -> tuple[bool, tuple[str, ...]]:
         return True, tuple(w for w in WORKLOADS if with_kv or w != "cas")
 
 
+@contextmanager
+def _seed_only_draws() -> Iterator[None]:
+    """Stories that depend on the seed alone. Hypothesis (6.13x on) now and then draws a
+    constant taken from the literals of the modules the process has imported from the
+    project itself (``sys.modules``), and caches the pool per kind of draw process-wide:
+    the same seed gave other stories in CI's pytest worker, which had imported every test
+    module, than alone (CI met a story no other run could draw). While a run explores,
+    that pool is empty and the cache is one of its own; both are put back after. This
+    reaches into Hypothesis's internals: a version without them explores as it does."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+
+        get_local, cache = providers._get_local_constants, providers.CONSTANTS_CACHE
+        empty = Constants()  # (empty sets: the pool is only looked through)
+        own_cache = type(cache)(cache.max_size)
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    providers._get_local_constants = lambda: empty
+    providers.CONSTANTS_CACHE = own_cache
+    try:
+        yield
+    finally:
+        providers._get_local_constants, providers.CONSTANTS_CACHE = get_local, cache
+
+
 def _explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None,
              crashes: bool, replicas: bool, processes: tuple[str, ...] = ()) -> ExploreRun:
+    with _seed_only_draws():
+        return _explore_run(backend, examples=examples, seconds=seconds, seed=seed, database=database,
+                            crashes=crashes, replicas=replicas, processes=processes)
+
+
+def _explore_run(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None,
+                 crashes: bool, replicas: bool, processes: tuple[str, ...]) -> ExploreRun:
     from hypothesis import HealthCheck, Verbosity, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase

@@ -89,7 +89,7 @@ from botmesh.core import media as medialib
 from botmesh.core.errors import SendDeferredError, SendFailedError
 from botmesh.core.provider import (InboundEvent, MediaUnavailableError, ProviderError, RateLimitedError,
                                    RecipientUnreachableError)
-from botmesh.core.records import InboxRecord
+from botmesh.core.records import InboxRecord, OutboxRecord
 from botmesh.core.testing import SimulatedCrash
 
 from .processes import ProcessVerbs
@@ -592,13 +592,28 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         first_fail = next((i for i, a in enumerate(msg.actions) if a.kind == "fail"), len(msg.actions))
         return msg.completed > 0 or (msg.raised > 0 and send.index < first_fail)
 
-    def _arrived_unreached(self, key: str, done: set[str]) -> bool:
-        """Whether a send under the explicit ``key`` of a message that did not end
-        ``done`` (dead-lettered after executions cut short, its sends journaled all the
-        same) reached the channel: the later sends under that key are that one send."""
+    def _arrived_unreached(self, key: str, done: set[str], outbox: Sequence[OutboxRecord]) -> bool:
+        """Whether a send of a message that did not end ``done`` (dead-lettered after
+        executions cut short, its sends journaled all the same) took ``key`` and reached
+        the channel: the later sends under that key are that one send (OUT-2). Such a
+        send is one under the explicit ``key``, or a reply whose derived key is ``key``
+        (``<record id>:<n>``, OUT-3) when the outbox journals it under that very key — a
+        derived send that found the key taken diverged to a key of its own (OUT-5) and
+        took nothing. (Found by CI's explore on memory, seed 5: a handler cut short by
+        every restart replied under ``m2:1``; another message's explicit key ``m2:1``
+        was then answered from that record, which this check took for a lost send.)"""
         got = self._delivered()
-        return any(s.key == key and not self._reached(s, done) and any(got[(s.chat, p)] for p in self._parts(s.text))
-                   for s in self._sends())
+        journaled = {(contentlib.send_key_of(r.key, r.part), str(r.content.get("text"))) for r in outbox}
+        for s in self._sends():
+            if s.kind == "reply_nan" or self._reached(s, done):
+                continue  # (content that cannot be journaled takes no key: OUT-15)
+            parts = self._parts(s.text)
+            if not any(got[(s.chat, p)] for p in parts):
+                continue
+            if s.key == key or (s.key is None and self._key_of(s) == key
+                                and any((key, p) in journaled for p in parts)):
+                return True
+        return False
 
     def _key_of(self, send: _Send) -> str:
         """The send's key: the one given, or the derived ``<record id>:<n>`` (OUT-3)."""
@@ -751,7 +766,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
             if arrived:
                 exact.extend(s for s in sends if s.text == arrived[0])
             elif (key not in derived_keys and not ambiguous and not any(s.chat in self.dead_chats for s in sends)
-                  and not self._arrived_unreached(key, done)
+                  and not self._arrived_unreached(key, done, outbox)
                   and not any(contentlib.send_key_of(k, r.part) == key for k, r in dead_out.items())):
                 raise ExploreViolation(("GUAR-1", "OUT-2", "OUT-12"),
                                        f"nothing sent under the key {key!r} reached the channel, though "
