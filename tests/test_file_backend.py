@@ -1815,3 +1815,64 @@ def test_a_subclass_declaring_its_own_capabilities_keeps_them_and_the_settings_t
         assert await KvDurability(MemoryKv()).durability_settings() is None
 
     run(main())
+
+
+@pytest.mark.spec("BACK-6")
+def test_a_snapshot_made_from_the_last_ones_lines_is_the_same_file() -> None:
+    """Issue 16: a snapshot takes again the line of every record whose entry is the very
+    one the last snapshot wrote, instead of encoding its value again. The file is the same
+    byte for byte as one made from nothing, after a record changed (a new entry under the
+    same key and version order), another was deleted and a third added; the lines kept are
+    the new snapshot's only."""
+    from botmesh.core.file_format import SnapshotLines, parse_snapshot, snapshot_bytes
+
+    kept: dict[str, Any] = {"a": ({"x": 1}, 1, None, None), "b": ({"y": [1.5, "z"], "n": None}, 2, 5.0, INF)}
+    records: dict[tuple[str, str], dict[str, Any]] = {(S, "inbox"): kept}
+    lines: SnapshotLines = {}
+    first = snapshot_bytes(records, 3, lines)
+    assert first == snapshot_bytes(records, 3)
+    assert set(lines) == {(S, "inbox", "a"), (S, "inbox", "b")}
+    changed = {(S, "inbox"): {"a": ({"x": 2}, 1, None, None)}, (S, "outbox"): {"k": ({"t": "\u00e9"}, 1, None, -INF)}}
+    second = snapshot_bytes(changed, 4, lines)
+    assert second == snapshot_bytes(changed, 4)  # "a" at the same version, another value: encoded anew
+    assert parse_snapshot(second, "x").records == changed
+    assert set(lines) == {(S, "inbox", "a"), (S, "outbox", "k")}
+    assert lines[(S, "outbox", "k")][0] is changed[(S, "outbox")]["k"]
+
+
+@pytest.mark.parametrize("append_log", [False, True])
+@pytest.mark.spec("BACK-6", "BACK-4")
+def test_the_snapshot_on_file_is_the_one_its_records_make(tmp_path: Path, append_log: bool) -> None:
+    """Snapshot-only writes (each rewrites the snapshot) and folds of the log (every 3
+    entries here, and at close) reuse the lines of records not written since: what is on
+    file is still exactly the snapshot of the kv's records made from nothing, and a reopen
+    reads them back."""
+    from botmesh.core.file_format import snapshot_bytes
+
+    path = tmp_path / "j.json"
+
+    async def main() -> None:
+        kv = FileKv(str(path), append_log=True, compact_every=3) if append_log else FileKv(str(path))
+        await kv.open()
+        writes: list[Callable[[], Awaitable[Any]]] = [
+            *(lambda i=i: kv.put(S, "inbox", f"k{i}", {"i": i, "deep": {"l": [i, "x"]}}, expected_version=0,
+                                 due=float(i)) for i in range(7)),
+            lambda: kv.put(S, "inbox", "k2", {"i": 20}, expected_version=1),
+            lambda: kv.delete(S, "inbox", "k4", expected_version=1),
+            lambda: kv.put(S, "outbox", "o", {"t": "ok"}, expected_version=0, expires=INF),
+            lambda: kv.put(S, "inbox", "k5", {"i": 50}, expected_version=1),
+        ]
+        for write in writes:
+            await write()
+            if not append_log:
+                assert path.read_bytes() == snapshot_bytes(kv._records, kv._seq)
+        records = {k: dict(v) for k, v in kv._records.items()}
+        seq = kv._seq
+        await kv.close()
+        assert path.read_bytes() == snapshot_bytes(records, seq)
+        again = FileKv(str(path), append_log=append_log)
+        await again.open()
+        assert again._records == records
+        await again.close()
+
+    run(main())

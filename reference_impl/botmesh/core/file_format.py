@@ -141,6 +141,7 @@ __all__ = [
     "replay",
     "scan_log",
     "snapshot_bytes",
+    "SnapshotLines",
 ]
 
 SNAPSHOT_FORMAT = "botmesh.file_kv"
@@ -253,28 +254,44 @@ def encode_value(value: dict[str, Any], where: str) -> str:
 _HEADER_START = '{"format":"' + SNAPSHOT_FORMAT + '","version":' + str(FORMAT_VERSION)
 
 
-def snapshot_bytes(records: Records, log_seq: int) -> bytes:
+SnapshotLines = dict[tuple[str, str, str], tuple[Entry, bytes]]  # a snapshot's lines, each with its entry
+
+
+def snapshot_bytes(records: Records, log_seq: int, lines: SnapshotLines | None = None) -> bytes:
     """The snapshot file for ``records`` (version 2): header, one record per line sorted,
-    trailer with the count and the checksum, so the file is deterministic and readable."""
+    trailer with the count and the checksum, so the file is deterministic and readable.
+    ``lines``: the last snapshot's (refilled with this one's); a record whose entry is the
+    very tuple a line was made from takes the line again — a line depends on the entry
+    alone, and a write makes a new entry — so a fold or a snapshot-only write encodes
+    only what was written since (issue 16), at the price of the text kept in memory."""
     parts: list[bytes] = [b""]  # the header goes first, once the count is known
     crc32 = zlib.crc32
+    last, kept = lines or {}, {}
     for scope, space in sorted(records):
         space_map = records[(scope, space)]
         for key in sorted(space_map):
-            value, version, due, expires = space_map[key]
-            if due is not None and not -_INF < due < _INF:
-                due = _score_out(due)  # type: ignore[assignment]
-            if expires is not None and not -_INF < expires < _INF:
-                expires = _score_out(expires)  # type: ignore[assignment]
-            # The value as check_json_object produced it: already known to be storable.
-            payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
-            parts.append(b"%d %08x " % (len(payload), crc32(payload)))
-            parts.append(payload)
-            parts.append(b"\n")
-    count = (len(parts) - 1) // 3
+            entry = space_map[key]
+            found = last.get((scope, space, key))
+            if found is not None and found[0] is entry:
+                line = found[1]
+            else:
+                value, version, due, expires = entry
+                if due is not None and not -_INF < due < _INF:
+                    due = _score_out(due)  # type: ignore[assignment]
+                if expires is not None and not -_INF < expires < _INF:
+                    expires = _score_out(expires)  # type: ignore[assignment]
+                # The value as check_json_object produced it: already known to be storable.
+                payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
+                line = b"%d %08x %s\n" % (len(payload), crc32(payload), payload)  # frame(payload)
+            kept[(scope, space, key)] = (entry, line)
+            parts.append(line)
+    count = len(parts) - 1
     parts[0] = frame(f'{_HEADER_START},"log_seq":{log_seq},"records":{count}}}'.encode("ascii"))
     body = b"".join(parts)
     trailer = f'{{"end":{count},"crc32":"{crc32(body):08x}"}}'.encode("ascii")
+    if lines is not None:
+        lines.clear()
+        lines.update(kept)
     return body + frame(trailer)
 
 

@@ -19,6 +19,7 @@ from .file_format import (
     LOG_HEADER,
     Entry,
     Records,
+    SnapshotLines,
     encode_value,
     is_int,
     log_line,
@@ -188,6 +189,7 @@ class FileKv(DurableKv):
             self.capabilities = Capabilities()
 
         self._records: Records = {}
+        self._snapshot_lines: SnapshotLines = {}  # the last snapshot's lines (snapshot_bytes)
         self._seq = 0  # seq of the last write committed (log_seq of a snapshot written now)
         self._log_fd: int | None = None
         self._log_entries = 0  # lines in the log file (those already folded included)
@@ -273,6 +275,7 @@ class FileKv(DurableKv):
             if self._log_fd is not None:
                 self._close_quietly(self._log_fd)
                 self._log_fd = None
+            self._snapshot_lines = {}
             self._release_lock_file()
             self._unregister()
 
@@ -295,6 +298,7 @@ class FileKv(DurableKv):
                 self._lock_fd = None
                 self._io.write_lock(self._lock_path, self._io.dead_pid())
         finally:
+            self._snapshot_lines = {}
             self._unregister()
 
     # -- DurableKv -------------------------------------------------------------------------
@@ -479,7 +483,7 @@ class FileKv(DurableKv):
         """Replace the snapshot by a rename (BACK-6): atomic against a process crash, and
         against a power cut with ``fsync`` only (data forced before the rename, the
         directory after). Raises ``_SnapshotWriteFailed``."""
-        data = snapshot_bytes(records, log_seq)
+        data = snapshot_bytes(records, log_seq, self._snapshot_lines)
         tmp = self._path + ".tmp"
         try:
             self._io.write_file(tmp, data, fsync=self._fsync)
