@@ -2,7 +2,9 @@
 encoding and parsing the snapshot and the append log, and replaying the log onto the
 snapshot's records. Pure functions over bytes; :class:`~botmesh.core.file_kv.FileKv`
 does the I/O. A damaged file raises :class:`~botmesh.core.errors.JournalCorruptError`
-(BACK-5; the rules are under "Reading" below).
+(BACK-5; the rules are under "Reading" below). The module is over 800 lines on purpose:
+the format's description, its writer and its reader (with every damage it refuses) stay
+in one file, each rule beside the code that applies it.
 
 Format version 2 (this release writes it; it reads versions 1 and 2)
 =====================================================================
