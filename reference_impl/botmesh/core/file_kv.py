@@ -141,6 +141,10 @@ class FileKv(DurableKv):
     :data:`~botmesh.core.file_format.MAX_VALUE_DEPTH` (128) levels raises ``ValueError``
     naming it (the reader refuses such lines as damage, so they are never written).
     Calls before :meth:`open` raise ``BackendUnavailableError``, as the contract says.
+
+    Memory: every record's value, and — from the first snapshot written on — its line of
+    the snapshot as well (JSON text), so that the next snapshot encodes only the records
+    written since (:func:`~botmesh.core.file_format.snapshot_bytes`).
     """
 
     capabilities = Capabilities(survives_crash=True, multi_process=False, multi_host=False, shared=False)
