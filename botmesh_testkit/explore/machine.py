@@ -400,8 +400,9 @@ def explore(backend: str, *, examples: int, seconds: float, seed: int, database:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        return _explore(backend, examples=examples, seconds=seconds, seed=seed, database=database, crashes=crashes,
-                        replicas=replicas, processes=workloads if processes else ())
+        with _seed_only_draws():  # the other Hypothesis internal a run sets, beside the bound on shrinking
+            return _explore(backend, examples=examples, seconds=seconds, seed=seed, database=database,
+                            crashes=crashes, replicas=replicas, processes=workloads if processes else ())
     finally:
         quiet.setLevel(level)
         if saved is not None:
@@ -467,13 +468,6 @@ def _seed_only_draws() -> Iterator[None]:
 
 def _explore(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None,
              crashes: bool, replicas: bool, processes: tuple[str, ...] = ()) -> ExploreRun:
-    with _seed_only_draws():
-        return _explore_run(backend, examples=examples, seconds=seconds, seed=seed, database=database,
-                            crashes=crashes, replicas=replicas, processes=processes)
-
-
-def _explore_run(backend: str, *, examples: int, seconds: float, seed: int, database: Path | None,
-                 crashes: bool, replicas: bool, processes: tuple[str, ...]) -> ExploreRun:
     from hypothesis import HealthCheck, Verbosity, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
