@@ -592,7 +592,8 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         first_fail = next((i for i, a in enumerate(msg.actions) if a.kind == "fail"), len(msg.actions))
         return msg.completed > 0 or (msg.raised > 0 and send.index < first_fail)
 
-    def _arrived_unreached(self, key: str, done: set[str], outbox: Sequence[OutboxRecord]) -> bool:
+    def _arrived_unreached(self, key: str, done: set[str], outbox: Sequence[OutboxRecord],
+                          got: Counter[tuple[str, str]]) -> bool:
         """Whether a send of a message that did not end ``done`` (dead-lettered after
         executions cut short, its sends journaled all the same) took ``key`` and reached
         the channel: the later sends under that key are that one send (OUT-2). Such a
@@ -601,8 +602,8 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         derived send that found the key taken diverged to a key of its own (OUT-5) and
         took nothing. (Found by CI's explore on memory, seed 5: a handler cut short by
         every restart replied under ``m2:1``; another message's explicit key ``m2:1``
-        was then answered from that record, which this check took for a lost send.)"""
-        got = self._delivered()
+        was then answered from that record, which this check took for a lost send.)
+        ``got``: the end check's count of what reached the channel (:meth:`_delivered`)."""
         journaled = {(contentlib.send_key_of(r.key, r.part), str(r.content.get("text"))) for r in outbox}
         for s in self._sends():
             if s.kind == "reply_nan" or self._reached(s, done):
@@ -766,7 +767,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
             if arrived:
                 exact.extend(s for s in sends if s.text == arrived[0])
             elif (key not in derived_keys and not ambiguous and not any(s.chat in self.dead_chats for s in sends)
-                  and not self._arrived_unreached(key, done, outbox)
+                  and not self._arrived_unreached(key, done, outbox, got)
                   and not any(contentlib.send_key_of(k, r.part) == key for k, r in dead_out.items())):
                 raise ExploreViolation(("GUAR-1", "OUT-2", "OUT-12"),
                                        f"nothing sent under the key {key!r} reached the channel, though "
