@@ -602,8 +602,7 @@ class Explorer(ReplicaVerbs, ProcessVerbs, SweepModel):
         derived send that found the key taken diverged to a key of its own (OUT-5) and
         took nothing. (Found by CI's explore on memory, seed 5: a handler cut short by
         every restart replied under ``m2:1``; another message's explicit key ``m2:1``
-        was then answered from that record, which this check took for a lost send.)
-        ``got``: the end check's count of what reached the channel (:meth:`_delivered`)."""
+        was then answered from that record, which this check took for a lost send.)"""
         journaled = {(contentlib.send_key_of(r.key, r.part), str(r.content.get("text"))) for r in outbox}
         for s in self._sends():
             if s.kind == "reply_nan" or self._reached(s, done):
