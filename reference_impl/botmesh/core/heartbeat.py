@@ -149,14 +149,15 @@ class Heartbeat:
         turns ``task.cancel()`` and ``asyncio.wait`` took on a beating task sleeping
         there (its cancelled step, then the wait's completion callback, then this task's
         wake-up), each at the place in the loop's queue they had."""
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         if self._arming is not None:  # the task would not have run yet: its step ends it
             self._ended = waiter
         else:
             assert self._timer is not None
             self._timer.cancel()
             self._timer = None
-            asyncio.get_running_loop().call_soon(_chain, waiter)  # the cancelled sleep's wake-up
+            loop.call_soon(_chain, waiter)  # the cancelled sleep's wake-up
         await waiter
 
 
