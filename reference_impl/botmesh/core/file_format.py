@@ -268,7 +268,8 @@ def snapshot_bytes(records: Records, log_seq: int, lines: SnapshotLines | None =
     only what was written since (issue 16), at the price of the text kept in memory."""
     parts: list[bytes] = [b""]  # the header goes first, once the count is known
     crc32 = zlib.crc32
-    last, kept = lines or {}, {}
+    last: SnapshotLines = lines or {}
+    kept: SnapshotLines = {}
     for scope, space in sorted(records):
         space_map = records[(scope, space)]
         for key in sorted(space_map):
@@ -284,8 +285,9 @@ def snapshot_bytes(records: Records, log_seq: int, lines: SnapshotLines | None =
                     expires = _score_out(expires)  # type: ignore[assignment]
                 # The value as check_json_object produced it: already known to be storable.
                 payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
-                line = b"%d %08x %s\n" % (len(payload), crc32(payload), payload)  # frame(payload)
-            kept[(scope, space, key)] = (entry, line)
+                line = frame(payload)
+            if lines is not None:
+                kept[(scope, space, key)] = (entry, line)
             parts.append(line)
     count = len(parts) - 1
     parts[0] = frame(f'{_HEADER_START},"log_seq":{log_seq},"records":{count}}}'.encode("ascii"))
