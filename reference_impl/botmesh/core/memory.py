@@ -6,6 +6,7 @@ other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
@@ -14,6 +15,50 @@ from .kv_durability import KvDurability
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 
 __all__ = ["MemoryDurability", "MemoryKv"]
+
+
+class _Turn:
+    """An awaitable that gives the loop one turn (what ``asyncio.sleep(0)`` does)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield
+
+
+_TURN = _Turn()
+
+
+class _Nothing:
+    """An awaitable that completes at once (nothing else could run meanwhile)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield
+
+
+_NOTHING = _Nothing()
+
+
+def _suspension_point() -> _Turn | _Nothing:
+    """The end of every :class:`MemoryKv` call: a suspension point, as the I/O of any
+    other kv is — whatever else is runnable runs there. On asyncio's own event loop,
+    when nothing else is runnable (no ready callback, no timer due), the turn is not
+    taken: it would only resume the caller at once (issue 16: a loop turn was the
+    largest single cost of a call), and every task, callback and timer still runs in
+    the same order as with the turn. Only an I/O readiness that arrives exactly then
+    could be seen a turn later — what real I/O timing decides anyway. Another loop, or
+    a loop whose queues cannot be seen: the turn is always taken."""
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)
+    if ready is None or ready:
+        return _TURN
+    scheduled = getattr(loop, "_scheduled", None)
+    if scheduled is None or (scheduled and scheduled[0].when() <= loop.time() + getattr(loop, "_clock_resolution", 1.0)):
+        return _TURN
+    return _NOTHING
 
 
 class MemoryKv(DurableKv):
@@ -47,14 +92,14 @@ class MemoryKv(DurableKv):
         return self._data.setdefault((scope, space), {})
 
     # Each method completes without awaiting anything in between its read and its write,
-    # so it is atomic with respect to other tasks; the final sleep(0) keeps it a real
-    # suspension point like any I/O-backed implementation.
+    # so it is atomic with respect to other tasks; the final suspension point keeps it a
+    # real one like any I/O-backed implementation (_suspension_point).
     async def get(self, scope: str, space: str, key: str) -> Versioned | None:
         check_record(scope, space, key)
         self._check()
         entry = self._space(scope, space).get(key)
         result = None if entry is None else Versioned(check_json_object(entry[0]), entry[1])
-        await asyncio.sleep(0)
+        await _suspension_point()
         return result
 
     async def put(
@@ -75,10 +120,10 @@ class MemoryKv(DurableKv):
         current = records.get(key)
         current_version = 0 if current is None else current[1]
         if current_version != expected_version:
-            await asyncio.sleep(0)
+            await _suspension_point()
             raise VersionConflict.at(space, key, expected_version, current_version)
         records[key] = (stored, expected_version + 1, due, expires)
-        await asyncio.sleep(0)
+        await _suspension_point()
         return expected_version + 1
 
     async def delete(self, scope: str, space: str, key: str, *, expected_version: int) -> None:
@@ -88,10 +133,10 @@ class MemoryKv(DurableKv):
         current = records.get(key)
         current_version = 0 if current is None else current[1]
         if current is None or current_version != expected_version:
-            await asyncio.sleep(0)
+            await _suspension_point()
             raise VersionConflict.at(space, key, expected_version, current_version)
         del records[key]
-        await asyncio.sleep(0)
+        await _suspension_point()
 
     async def range(
         self, scope: str, space: str, index: IndexName, *, upto: float, limit: int
@@ -104,7 +149,7 @@ class MemoryKv(DurableKv):
             for key, entry in self._space(scope, space).items()
             if entry[pos] is not None and entry[pos] <= upto  # type: ignore[operator]
         )
-        await asyncio.sleep(0)
+        await _suspension_point()
         return [(float(score), key) for score, key in entries[:limit]]  # type: ignore[arg-type]
 
     async def scan(
@@ -115,7 +160,7 @@ class MemoryKv(DurableKv):
         records = self._space(scope, space)
         keys = sorted(k for k in records if after is None or k > after)[:limit]
         result = [(k, Versioned(check_json_object(records[k][0]), records[k][1])) for k in keys]
-        await asyncio.sleep(0)
+        await _suspension_point()
         return result
 
 
