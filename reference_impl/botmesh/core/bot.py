@@ -268,6 +268,11 @@ class Bot:
             except Exception:  # a listener never breaks processing
                 log.exception("listener of %s failed", event)
 
+    def has_before_send(self) -> bool:
+        """Whether a ``before("send")`` hook is registered (without one,
+        :meth:`run_before_send` returns the content it is given, untouched)."""
+        return bool(self._before["send"])
+
     async def run_before_send(self, chat_id: str, content: dict[str, Any]) -> dict[str, Any] | None:
         """Run the ``before("send")`` hooks: the content to send, or None when a hook
         cancelled the send."""

@@ -113,6 +113,19 @@ def fingerprint(chat_id: str, encoded: dict[str, Any]) -> str:
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:32]
 
 
+def journal_form(chat_id: str, content: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
+    """``content``'s journal form (:func:`encode`), its :func:`fingerprint` and its
+    :func:`encoded_size`, from one encoding and one JSON text (issue 16: a send without
+    ``before("send")`` hooks journals the very content it fingerprinted). The size is
+    taken from the canonical text: it differs from the compact one only in the order of
+    the keys, so it has the same length; minus the chat id's part of it."""
+    encoded = encode(content)
+    canon = _CANONICAL.encode([chat_id, encoded]).encode("utf-8")
+    # canon is '[' + chat id + ',' + content + ']'
+    size = len(canon) - len(_CANONICAL.encode(chat_id).encode("utf-8")) - 3
+    return encoded, hashlib.sha256(canon).hexdigest()[:32], size
+
+
 def split_text(text: str, limit: int) -> list[str]:
     """Split ``text`` into parts of at most ``limit`` characters, preferring a paragraph
     break, then a line break, then a space, in the second half of the window; else a hard

@@ -558,12 +558,12 @@ class DurabilityRuntime(Generic[CtxT]):
             content = contentlib.normalize(content)
             key, rule = self._key_for(ctx, idempotency_key)
             try:
-                fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
+                encoded, fp, size = contentlib.journal_form(chat_id, content)
             except contentlib.UnencodableContent as exc:
                 return await self._bypass(chat_id, content, str(exc))
             async with self._in_chat_order(chat_id), self._key_locks.hold(key):  # OUT-11, OUT-2
                 try:
-                    step = await self._record_send(chat_id, content, key, rule, fp, ctx)
+                    step = await self._record_send(chat_id, content, key, rule, fp, ctx, (encoded, size))
                     if isinstance(step, SendResult):
                         return step
                     rec, existed, alone = step
@@ -599,7 +599,8 @@ class DurabilityRuntime(Generic[CtxT]):
         return key if existing is None else existing
 
     async def _record_send(
-        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None
+        self, chat_id: str, content: dict[str, Any], key: str, rule: str, fp: str, ctx: HandlerContext | None,
+        journal_form: tuple[dict[str, Any], int],
     ) -> SendResult | tuple[OutboxRecord, bool, bool]:
         """Find or journal the outbox record of a send (OUT-1, OUT-2, OUT-5): the record,
         whether it existed, and whether this call journaled it whole in state ``sending``
@@ -614,7 +615,11 @@ class DurabilityRuntime(Generic[CtxT]):
         nothing can be under it but another process's explicit key, and then the
         journal's create conflicts, returns that record, and it is settled as the
         lookup's would have been (OUT-2, OUT-5); the hooks ran once here for it, which
-        OUT-10 allows (once per incarnation)."""
+        OUT-10 allows (once per incarnation).
+
+        ``journal_form``: ``content`` encoded and its size, as ``send`` fingerprinted it:
+        journaled as it is when no ``before("send")`` hook is registered (the hooks
+        return ``content`` itself then), else the hooks' content is encoded again."""
         shaped = self._derived_shaped
         blind = (rule == "derived" and ctx is not None and ctx.record_id in self._fresh_inbound
                  and shaped is not None and key not in shaped)
@@ -622,10 +627,11 @@ class DurabilityRuntime(Generic[CtxT]):
         if isinstance(found, OutboxRecord):
             return found, True, False
         key = found
+        hooked = self.bot.has_before_send()
         prepared = await self.bot.run_before_send(chat_id, content)
         if prepared is None:
             return SendResult(None, key, state="cancelled")
-        encoded = await self._encode_or_bypass(chat_id, prepared)
+        encoded = await self._encode_or_bypass(chat_id, prepared, None if hooked else journal_form)
         if isinstance(encoded, SendResult):
             return encoded
         rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
@@ -754,15 +760,21 @@ class DurabilityRuntime(Generic[CtxT]):
         claim = await self._claim_send(nxt.key, recover=False)
         return None if claim is None else claim[0]
 
-    async def _encode_or_bypass(self, chat_id: str, prepared: dict[str, Any]) -> dict[str, Any] | SendResult:
+    async def _encode_or_bypass(
+        self, chat_id: str, prepared: dict[str, Any], known: tuple[dict[str, Any], int] | None = None
+    ) -> dict[str, Any] | SendResult:
         """The journal form of content after the hooks, or — when it cannot be journaled
         or is over ``outbox.max_payload_bytes`` — the result of sending it without the
-        outbox (OUT-15)."""
-        try:
-            encoded = contentlib.encode(prepared)
-        except contentlib.UnencodableContent as exc:
-            return await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
-        if contentlib.encoded_size(encoded) > self.config.outbox.max_payload_bytes:
+        outbox (OUT-15). ``known``: ``prepared``'s journal form and size, already made."""
+        if known is not None:
+            encoded, size = known
+        else:
+            try:
+                encoded = contentlib.encode(prepared)
+            except contentlib.UnencodableContent as exc:
+                return await self._bypass(chat_id, prepared, str(exc), hooks_done=True)
+            size = contentlib.encoded_size(encoded)
+        if size > self.config.outbox.max_payload_bytes:
             return await self._bypass(chat_id, prepared, "payload over outbox.max_payload_bytes", hooks_done=True)
         return encoded
 
@@ -790,17 +802,18 @@ class DurabilityRuntime(Generic[CtxT]):
                 if await self.backend.outbox_get(self.scope, key) is not None:
                     return {"key": key}
                 try:
-                    fp = contentlib.fingerprint(chat_id, contentlib.encode(content))
+                    encoded, fp, size = contentlib.journal_form(chat_id, content)
                 except contentlib.UnencodableContent as exc:
                     await self._bypass(chat_id, content, str(exc))
                     return {"key": key}
+                hooked = self.bot.has_before_send()
                 prepared = await self.bot.run_before_send(chat_id, content)
                 if prepared is None:
                     return {"key": key}
-                encoded = await self._encode_or_bypass(chat_id, prepared)
-                if isinstance(encoded, SendResult):
+                journaled = await self._encode_or_bypass(chat_id, prepared, None if hooked else (encoded, size))
+                if isinstance(journaled, SendResult):
                     return {"key": key}
-                _, created = await self._journal_new(key, rule, chat_id, encoded, fp, None, origin="enqueue")
+                _, created = await self._journal_new(key, rule, chat_id, journaled, fp, None, origin="enqueue")
             if created:
                 self._spawn(self._deliver_soon(key))
             return {"key": key}

@@ -147,6 +147,11 @@ class BotHost(Protocol[CtxT]):
         (INB-6)."""
         ...
 
+    def has_before_send(self) -> bool:
+        """Whether a ``before("send")`` hook is registered (without one,
+        :meth:`run_before_send` returns its content itself)."""
+        ...
+
     async def run_before_send(self, chat_id: str, content: dict[str, Any]) -> dict[str, Any] | None:
         """The ``before("send")`` hooks: the content to send, or None when cancelled."""
         ...
