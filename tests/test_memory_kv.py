@@ -72,3 +72,28 @@ async def test_two_writers_take_turns_call_by_call() -> None:
     await asyncio.gather(writer("a"), writer("b"))
     assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
     assert [k for k, _ in await kv.scan("s", "inbox")] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+
+
+
+@spec("BACK-7")
+async def test_on_asyncio_s_loop_with_nothing_runnable_no_turn_is_taken() -> None:
+    from botmesh.core import memory
+
+    assert memory._suspension_point() is memory._NOTHING
+
+
+@spec("BACK-7")
+def test_a_loop_whose_queues_cannot_be_seen_always_gets_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an event loop other than asyncio's own (no ``_ready``/``_scheduled`` to look
+    at), nothing tells that the turn may be skipped: every call takes it. (A sync test:
+    no loop of the test runs while ``get_running_loop`` answers with the other loop.)"""
+    from botmesh.core import memory
+
+    class Opaque:
+        """Another loop, as the suspension point sees it (asyncio's queues not there)."""
+
+        def time(self) -> float:
+            return 0.0
+
+    monkeypatch.setattr(memory.asyncio, "get_running_loop", lambda: Opaque())
+    assert memory._suspension_point() is memory._TURN

@@ -52,11 +52,13 @@ def _suspension_point() -> _Turn | _Nothing:
     could be seen a turn later — what real I/O timing decides anyway. Another loop, or
     a loop whose queues cannot be seen: the turn is always taken."""
     loop = asyncio.get_running_loop()
-    ready = getattr(loop, "_ready", None)
-    if ready is None or ready:
-        return _TURN
-    scheduled = getattr(loop, "_scheduled", None)
-    if scheduled is None or (scheduled and scheduled[0].when() <= loop.time() + getattr(loop, "_clock_resolution", 1.0)):
+    try:
+        if loop._ready:  # type: ignore[attr-defined]
+            return _TURN
+        scheduled = loop._scheduled  # type: ignore[attr-defined]
+        if scheduled and scheduled[0]._when <= loop.time() + loop._clock_resolution:  # type: ignore[attr-defined]
+            return _TURN
+    except AttributeError:  # not asyncio's own loop: its queues cannot be seen
         return _TURN
     return _NOTHING
 
