@@ -439,3 +439,29 @@ def test_a_seed_draws_the_same_stories_whatever_the_process_imported(tmp_path: P
     plain, with_literals = runs
     assert len(plain) >= 8, len(plain)
     assert plain == with_literals
+
+
+@pytest.mark.spec("TEST-4")
+def test_the_failure_reported_is_the_kind_found_first_in_its_last_story() -> None:
+    """Hypothesis shrinks each kind of failure on its own and replays each kind's
+    smallest story last. What explore reports is the kind it met first, with that kind's
+    last (shrunk) story; every other kind found is listed after it, in the order found —
+    not the kind Hypothesis happened to replay last."""
+    from botmesh_testkit.explore.machine import ExploreFailure, ExploreViolation, _Recorder
+
+    def story(ids: tuple[str, ...], steps: int) -> tuple[ExploreFailure, BaseException]:
+        return ExploreFailure(ids, f"{ids} in {steps}", [f"step {i}" for i in range(steps)], "skip", None), \
+            ExploreViolation(ids, "broken")
+
+    recorder = _Recorder()
+    assert recorder.reported() == (None, [])
+    for ids, steps in [(("INB-3",), 12), (("OUT-7", "RETRY-1"), 26), (("INB-3",), 9), (("OUT-7", "RETRY-1"), 8),
+                       (("INB-3",), 5)]:
+        recorder.failed(*story(ids, steps))
+    first, others = recorder.reported()
+    assert first is not None and (first.ids, len(first.lines)) == (("INB-3",), 5)
+    assert [(o.ids, len(o.lines)) for o in others] == [(("OUT-7", "RETRY-1"), 8)]
+    # a failure that broke no id is a kind of its own, named by its exception's type
+    recorder.failed(ExploreFailure((), "KeyError: 'x'", ["a"], "skip", None), KeyError("x"))
+    recorder.failed(ExploreFailure((), "ValueError: y", ["b"], "skip", None), ValueError("y"))
+    assert [o.message for o in recorder.reported()[1]] == ["('OUT-7', 'RETRY-1') in 8", "KeyError: 'x'", "ValueError: y"]

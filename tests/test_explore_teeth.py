@@ -221,24 +221,17 @@ engine.DurabilityRuntime.sweep = sweep
 '''
 
 
-def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str | tuple[str, ...], examples: int,
+def _caught_and_replayed(pytester: pytest.Pytester, plant: str, spec_id: str, examples: int,
                          seed: int, backend: str = "memory") -> str:
     """Run explore on ``backend`` with ``plant`` as conftest; the failure must name
-    ``spec_id`` (or one of them, when a planted bug breaks several guarantees and which
-    one a run meets first may vary), and its story, replayed as a scenario, must fail
-    naming it too. Returns the story's text."""
+    ``spec_id``, and its story, replayed as a scenario, must fail naming it too. Returns
+    the story's text."""
     pytester.makeconftest(plant)
     result = pytester.runpytest_subprocess("-p", "no:benchmark", f"--botmesh-backend={backend}", "--botmesh-parts=explore",
                                            f"--botmesh-explore-examples={examples}", f"--botmesh-seed={seed}",
                                            timeout=600)
     out = result.stdout.str()
     assert result.ret == 1, out[-3000:]
-    ids = (spec_id,) if isinstance(spec_id, str) else spec_id
-    violated = re.search(r"violated \[([^\]]*)\]", out)
-    assert violated, out[-3000:]
-    named = [i for i in ids if i in violated.group(1).split(", ")]
-    assert named, f"the failure names {violated.group(1)}, none of {ids}:\n{out[-3000:]}"
-    spec_id = named[0]
     result.stdout.fnmatch_lines([f"*violated [[]*{spec_id}*[]]*", f"*BROKEN*{spec_id}*"])
     replay = re.search(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios --botmesh-scenarios=(\S+) "
                        r"-k (\S+)", out)
@@ -351,10 +344,10 @@ def test_explore_finds_a_sweep_held_up_by_a_slow_replay(pytester: pytest.Pyteste
 def test_explore_finds_a_sweep_pass_that_one_record_aborts(pytester: pytest.Pytester) -> None:
     """Issue 12, class 5: a sweep pass that ends at the first record whose processing
     raises. A record the journal cannot read for five minutes (``unreadable``) keeps
-    another record left pending from being replayed all that time (INB-3), or a failed
-    send's due retry from being tried (OUT-7, RETRY-1: "whatever another record's
-    processing in the sweep raises"). Which of the two the run meets first has varied
-    between runs of the same seed since d2cb19f (CI, and locally under ``CI=true
-    BOTMESH_REQUIRE_SERVICES=1 -n 2``): issue 16's note of 2026-12-06."""
-    story = _caught_and_replayed(pytester, BRITTLE_SWEEP, ("INB-3", "OUT-7"), examples=40, seed=7)
+    another record left pending from being replayed all that time (INB-3). While it
+    shrinks, the run may also meet a failed send's due retry held up (OUT-7, RETRY-1) —
+    whether it does depends on how far shrinking gets in its time bound. The failure
+    reported is the kind found first (INB-3 at this seed), another kind a note; before,
+    the kind replayed last was reported, and CI saw OUT-7 twice."""
+    story = _caught_and_replayed(pytester, BRITTLE_SWEEP, "INB-3", examples=40, seed=7)
     assert "unreadable=300000" in story, story

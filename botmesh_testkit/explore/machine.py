@@ -108,7 +108,8 @@ STORY_IMPORTS = ("from botmesh_testkit.explore.story import Explorer, enqueue, f
 
 @dataclass
 class ExploreFailure:
-    """The story that broke the model (the last, shrunk, one Hypothesis replayed)."""
+    """A story that broke the model: the shrunk one of its kind of failure (the last one
+    Hypothesis replayed for it)."""
 
     ids: tuple[str, ...]
     message: str
@@ -155,6 +156,24 @@ class _Recorder:
         self.failure: ExploreFailure | None = None
         self.found_after: int | None = None
         """Examples run when the first failure was seen (before shrinking)."""
+        self.kinds: dict[tuple[str, ...], ExploreFailure] = {}
+        """The last failing story of each kind of failure (its ids; an exception's type
+        when it broke no id), in the order the kinds were first seen."""
+
+    def failed(self, failure: ExploreFailure, exc: BaseException) -> None:
+        self.failure = failure
+        self.kinds[failure.ids or (type(exc).__name__,)] = failure  # a kind seen again keeps its place
+
+    def reported(self) -> tuple[ExploreFailure | None, list[ExploreFailure]]:
+        """The failure to report and the other kinds found. Hypothesis tells failures
+        apart by where they were raised, shrinks each kind on its own and replays each
+        kind's smallest story last, so the last story of a kind is its shrunk one. The
+        kind reported is the one found first — decided by the seed's stories, not by how
+        far shrinking got within its time bound (the kind replayed last was)."""
+        if not self.kinds:
+            return self.failure, []
+        first, *others = self.kinds.values()
+        return first, others
 
 
 def _text(mid: str, index: int, words: int) -> str:
@@ -235,8 +254,8 @@ def _machine(backend: str, recorder: _Recorder, crashes: bool, replicas: bool = 
                                            "real seconds (the world runs on a virtual clock: the backend hangs)")
                 ids = exc.ids if isinstance(exc, ExploreViolation) else ()
                 message = exc.message if isinstance(exc, ExploreViolation) else f"{type(exc).__name__}: {exc}"
-                recorder.failure = ExploreFailure(ids, message, list(self.lines), self.policy, self.text_limit,
-                                                  self.default_id)
+                recorder.failed(ExploreFailure(ids, message, list(self.lines), self.policy, self.text_limit,
+                                               self.default_id), exc)
                 if recorder.found_after is None:
                     recorder.found_after = recorder.examples
                 raise exc from None
@@ -498,7 +517,11 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
         done += n
         chunk += 1
     run.examples, run.steps = recorder.examples, recorder.steps
-    run.failure = recorder.failure
+    run.failure, others = recorder.reported()
+    for other in others:  # each kind has its own shrunk story; the one reported is the first found
+        ids = f"[{', '.join(other.ids)}] " if other.ids else ""
+        said = other.message if len(other.message) <= 200 else other.message[:200] + " ..."
+        run.notes.append(f"also found: {ids}{said} (its shrunk story: {len(other.lines)} steps)")
     if recorder.found_after is not None:
         run.notes.append(f"first failing story: example {recorder.found_after}; the rest shrank it")
     run.seconds = time.monotonic() - started
