@@ -618,8 +618,9 @@ class DurabilityRuntime(Generic[CtxT]):
         OUT-10 allows (once per incarnation).
 
         ``journal_form``: ``content`` encoded and its size, as ``send`` fingerprinted it:
-        journaled as it is when no ``before("send")`` hook is registered (the hooks
-        return ``content`` itself then), else the hooks' content is encoded again."""
+        journaled as it is when no ``before("send")`` hook is registered (running none
+        gives back ``content`` itself), else the hooks' content is encoded again (a hook
+        may change it in place)."""
         shaped = self._derived_shaped
         blind = (rule == "derived" and ctx is not None and ctx.record_id in self._fresh_inbound
                  and shaped is not None and key not in shaped)
