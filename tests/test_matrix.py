@@ -148,6 +148,38 @@ async def test_a_drain_hands_back_the_journals_it_found_settled(backend: str, tm
         await world.close()
 
 
+@spec("TEST-3", "TEST-4")
+async def test_a_drain_of_settled_journals_lets_no_time_pass(tmp_path: Path) -> None:
+    """Journals settled when the drain begins: it returns them at once, the virtual clock
+    where it was and no sweep pass run (nothing is due in them); with a send still to be
+    retried, time moves by the poll interval until it went out."""
+    w = WORKLOADS["three-sends"]
+    world = World(resolve("memory")(str(tmp_path)), setup=w.setup)
+    try:
+        bot = await world.start()
+        assert bot.durability is not None
+        poll = bot.durability.config.poll_ms
+        await world.receive("c1", "go", id="m1")
+        before = world.clock.now()
+        passes: list[float] = []
+        sweep = bot.durability.sweep
+
+        async def counted() -> None:
+            passes.append(world.clock.now())
+            await sweep()
+
+        bot.durability.sweep = counted  # type: ignore[method-assign]
+        assert await world.drain() is not None
+        assert (world.clock.now(), passes) == (before, [])
+        world.channel.fail_next(transient(), times=8)  # past the inline budget: left to the sweep
+        await world.receive("c1", "again", id="m2")
+        started = world.clock.now()
+        assert await world.drain() is not None
+        assert passes and world.clock.now() > started and (world.clock.now() - started) % poll == 0
+    finally:
+        await world.close()
+
+
 PROFILE = """description = "two workloads, random cells only matter here"
 workloads = ["one-send", "three-sends"]
 random_per_workload = 4

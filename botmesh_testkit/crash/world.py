@@ -207,6 +207,12 @@ class World:
         """Advance virtual time until nothing is due: every unfinished inbound record is
         settled and every send is sent, dead or unknown (or ``within_ms`` passed).
 
+        The journals are looked at once the world is at rest, before time moves: when
+        everything is settled already, no time passes (issue 16: a sweep pass, two index
+        reads, saved per crash cell — the journals of a cell are settled when its drain
+        begins as a rule; nothing is due in settled journals). Then time advances by the
+        poll interval between looks.
+
         Returns the journals (inbox, outbox) as the look that found everything settled
         read them — nothing runs between that look and the return, so they are the
         journals as they are then — or None when it stopped otherwise (a death, or
@@ -214,8 +220,8 @@ class World:
         assert self.bot is not None and self.bot.durability is not None
         d = self.bot.durability
         end = self.clock.now() + within_ms
-        while self.clock.now() < end:
-            await self.clock.advance(d.config.poll_ms)
+        await self.clock.settle()
+        while True:
             if self.crashed:
                 return None
             try:
@@ -226,12 +232,15 @@ class World:
             except BackendUnavailableError:
                 # Only the drain's own look failed (a backend that reads from its storage,
                 # e.g. a shared journal, met an injected I/O error): look again next tick.
-                continue
-            if all(r.state in ("done", "dead") for r in inbox) and all(
-                r.state in ("sent", "dead", "unknown") for r in outbox
-            ):
-                return inbox, outbox
-        return None
+                pass
+            else:
+                if all(r.state in ("done", "dead") for r in inbox) and all(
+                    r.state in ("sent", "dead", "unknown") for r in outbox
+                ):
+                    return inbox, outbox
+            if self.clock.now() >= end:
+                return None
+            await self.clock.advance(d.config.poll_ms)
 
     async def close(self) -> None:
         if self.bot is not None:
