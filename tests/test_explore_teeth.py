@@ -295,10 +295,11 @@ def test_explore_finds_a_kv_whose_compare_and_set_is_not_atomic_across_processes
     """A third party's kv that claims multi_process but checks the version and writes in
     two statements (``CheckThenWriteKv`` of ``tests/test_multi_process_teeth.py``: atomic
     within one process, racy between processes): explore's bursts of real processes
-    meet the race as lost updates (``x.processes('cas')``: BACK-7) or as one inbound
+    meet the race as lost updates (``x.processes('cas')``: BACK-7), as one inbound
     record created twice (``x.processes('journal')``, a create being a CAS at version 0:
-    INB-4) — which of the two a run meets first is the operating system's timing, so
-    either is the report; its story, replayed as a scenario, fails the same way
+    INB-4) or as one record claimed by two processes (``claims-*``: REPL-1) — which one a
+    run meets first is the operating system's timing, so any is the report; its story,
+    replayed as a scenario, fails the same way
     (replayed up to :data:`MAX_REPLAYS` times: a race is the operating system's, the
     check of its outcome is not)."""
     import inspect
@@ -312,17 +313,21 @@ def test_explore_finds_a_kv_whose_compare_and_set_is_not_atomic_across_processes
                                            "--botmesh-seed=2", timeout=600)
     out = result.stdout.str()
     assert result.ret == 1, out[-3000:]
-    forms = {"cas": ("BACK-7", r"violated \[BACK-7, REPL-1\] 4 processes at once \(cas, .*won"),
-             "journal": ("INB-4", r"violated \[INB-4, REPL-4\] 4 processes at once \(journal, .*created it")}
-    met = [w for w, (_, pattern) in forms.items() if re.search(pattern, out)]
-    assert met, out[-3000:]
-    spec_id = forms[met[0]][0]
+    headline = re.search(r"violated \[([^\]]+)\] 4 processes at once \((cas|journal|claims-inbox|claims-outbox), "
+                         r"seed \d+\): (.*)", out)
+    assert headline, out[-3000:]
+    ids, workload, said = headline.group(1).split(", "), headline.group(2), headline.group(3)
+    # what each workload's race breaks (the claims: two processes holding one record)
+    expected = {"cas": ("BACK-7", "won"), "journal": ("INB-4", "created it"),
+                "claims-inbox": ("REPL-1", "claimed"), "claims-outbox": ("REPL-1", "claimed")}[workload]
+    assert expected[0] in ids and expected[1] in said, headline.group(0)
+    spec_id = ids[0]
     result.stdout.fnmatch_lines([f"*BROKEN*{spec_id}*"])
     replay = re.search(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios --botmesh-scenarios=(\S+) "
                        r"-k (\S+)", out)
     assert replay, out[-3000:]
     folder, name = Path(replay.group(2)), replay.group(3)
-    assert f"x.processes('{met[0]}'" in (folder / f"{name}.py").read_text(encoding="utf-8")
+    assert f"x.processes('{workload}'" in (folder / f"{name}.py").read_text(encoding="utf-8")
     for _ in range(MAX_REPLAYS):
         again = pytester.runpytest_subprocess("-p", "no:benchmark", replay.group(1), "--botmesh-parts=scenarios",
                                               f"--botmesh-scenarios={folder}", "-k", name, timeout=300)
@@ -330,6 +335,8 @@ def test_explore_finds_a_kv_whose_compare_and_set_is_not_atomic_across_processes
             break
     assert again.ret == 1, again.stdout.str()[-3000:]
     again.stdout.fnmatch_lines([f"*FAILED*{spec_id}*"])
+
+
 @pytest.mark.spec("OPS-3", "TEST-4")
 def test_explore_finds_purging_that_cannot_keep_up(pytester: pytest.Pytester) -> None:
     """Issue 12, class 4: a purge of at most 500 records per journal and minute. A story
