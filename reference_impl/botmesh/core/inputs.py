@@ -153,18 +153,20 @@ def check_space(scope: Any, space: Any) -> None:
             good.add(value)
 
 
-def _good_key(key: Any) -> bool:
-    """True when ``key`` is certainly a good key: a ``str``, ASCII, 1 to
-    ``MAX_KEY_CHARS`` characters, without U+0000 (an ASCII string holds no surrogate) —
-    the check of nearly every call, in one expression. False: not known, ask
-    :func:`check_key` (which also says why)."""
-    return type(key) is str and 0 < len(key) <= MAX_KEY_CHARS and key.isascii() and "\x00" not in key
+def _usual_record(scope: Any, space: Any, key: Any) -> bool:
+    """True when ``scope`` and ``space`` are names known good and ``key`` is certainly a
+    good key: a ``str``, ASCII, 1 to ``MAX_KEY_CHARS`` characters, without U+0000 (an
+    ASCII string holds no surrogate) — the arguments of nearly every call, in one
+    expression. False: not known, ask :func:`check_space` and :func:`check_key` (which
+    also say why)."""
+    good = _GOOD_NAMES
+    return (type(scope) is str and type(space) is str and scope in good and space in good
+            and type(key) is str and 0 < len(key) <= MAX_KEY_CHARS and key.isascii() and "\x00" not in key)
 
 
 def check_record(scope: Any, space: Any, key: Any) -> None:
     """``scope``, ``space`` and ``key`` of a kv call."""
-    good = _GOOD_NAMES
-    if type(scope) is str and type(space) is str and scope in good and space in good and _good_key(key):
+    if _usual_record(scope, space, key):
         return  # the same outcome as below, without its calls (issue 16: every kv call checks)
     check_space(scope, space)
     check_key(key)
@@ -239,8 +241,7 @@ def check_put(
     scope: Any, space: Any, key: Any, expected_version: Any, due: Any, expires: Any
 ) -> tuple[float | None, float | None]:
     """The arguments of ``put`` but the value: checked, the two scores as stored."""
-    good = _GOOD_NAMES
-    if (type(scope) is str and type(space) is str and scope in good and space in good and _good_key(key)
+    if (_usual_record(scope, space, key)
             and type(expected_version) is int and -MAX_VERSION - 1 <= expected_version < MAX_VERSION
             and (due is None or (type(due) is float and due == due))
             and (expires is None or (type(expires) is float and expires == expires))):
