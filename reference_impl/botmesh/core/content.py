@@ -109,8 +109,12 @@ def encoded_size(encoded: dict[str, Any]) -> int:
 
 def fingerprint(chat_id: str, encoded: dict[str, Any]) -> str:
     """Hash of chat + content (OUT-5), stable across processes and versions."""
-    canon = _CANONICAL.encode([chat_id, encoded])
-    return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:32]
+    return _digest(_CANONICAL.encode([chat_id, encoded]).encode("utf-8"))
+
+
+def _digest(canon: bytes) -> str:
+    """The fingerprint of a canonical ``[chat_id, encoded]`` text."""
+    return hashlib.sha256(canon).hexdigest()[:32]
 
 
 def journal_form(chat_id: str, content: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
@@ -123,7 +127,7 @@ def journal_form(chat_id: str, content: dict[str, Any]) -> tuple[dict[str, Any],
     canon = _CANONICAL.encode([chat_id, encoded]).encode("utf-8")
     # canon is '[' + chat id + ',' + content + ']'
     size = len(canon) - len(_CANONICAL.encode(chat_id).encode("utf-8")) - 3
-    return encoded, hashlib.sha256(canon).hexdigest()[:32], size
+    return encoded, _digest(canon), size
 
 
 def split_text(text: str, limit: int) -> list[str]:

@@ -617,10 +617,8 @@ class DurabilityRuntime(Generic[CtxT]):
         lookup's would have been (OUT-2, OUT-5); the hooks ran once here for it, which
         OUT-10 allows (once per incarnation).
 
-        ``journal_form``: ``content`` encoded and its size, as ``send`` fingerprinted it:
-        journaled as it is when no ``before("send")`` hook is registered (running none
-        gives back ``content`` itself), else the hooks' content is encoded again (a hook
-        may change it in place)."""
+        ``journal_form``: ``content`` encoded and its size, as ``send`` fingerprinted it
+        (:meth:`_encode_or_bypass` takes it when no hook ran)."""
         shaped = self._derived_shaped
         blind = (rule == "derived" and ctx is not None and ctx.record_id in self._fresh_inbound
                  and shaped is not None and key not in shaped)
@@ -628,11 +626,10 @@ class DurabilityRuntime(Generic[CtxT]):
         if isinstance(found, OutboxRecord):
             return found, True, False
         key = found
-        hooked = self.bot.has_before_send()
         prepared = await self.bot.run_before_send(chat_id, content)
         if prepared is None:
             return SendResult(None, key, state="cancelled")
-        encoded = await self._encode_or_bypass(chat_id, prepared, None if hooked else journal_form)
+        encoded = await self._encode_or_bypass(chat_id, prepared, journal_form)
         if isinstance(encoded, SendResult):
             return encoded
         rec, created = await self._journal_new(key, rule, chat_id, encoded, fp, ctx, origin="inline")
@@ -766,8 +763,11 @@ class DurabilityRuntime(Generic[CtxT]):
     ) -> dict[str, Any] | SendResult:
         """The journal form of content after the hooks, or — when it cannot be journaled
         or is over ``outbox.max_payload_bytes`` — the result of sending it without the
-        outbox (OUT-15). ``known``: ``prepared``'s journal form and size, already made."""
-        if known is not None:
+        outbox (OUT-15). ``known``: the journal form and size of the content before the
+        ``before("send")`` hooks, taken when no hook is registered (hooks are only ever
+        added, so none ran and ``prepared`` is that content); with hooks the content is
+        encoded and measured again (a hook may change it in place)."""
+        if known is not None and not self.bot.has_before_send():
             encoded, size = known
         else:
             try:
@@ -807,11 +807,10 @@ class DurabilityRuntime(Generic[CtxT]):
                 except contentlib.UnencodableContent as exc:
                     await self._bypass(chat_id, content, str(exc))
                     return {"key": key}
-                hooked = self.bot.has_before_send()
                 prepared = await self.bot.run_before_send(chat_id, content)
                 if prepared is None:
                     return {"key": key}
-                journaled = await self._encode_or_bypass(chat_id, prepared, None if hooked else (encoded, size))
+                journaled = await self._encode_or_bypass(chat_id, prepared, (encoded, size))
                 if isinstance(journaled, SendResult):
                     return {"key": key}
                 _, created = await self._journal_new(key, rule, chat_id, journaled, fp, None, origin="enqueue")
