@@ -148,12 +148,13 @@ class ExploreRun:
 
 
 class _Recorder:
-    """What the examples of one :func:`explore` call share: counts, the last failing story."""
+    """What the examples of one :func:`explore` call share: counts, the failing story of each kind."""
 
     def __init__(self) -> None:
         self.examples = 0
         self.steps = 0
         self.failure: ExploreFailure | None = None
+        """What to report when no story failed in a step (the run itself raised)."""
         self.found_after: int | None = None
         """Examples run when the first failure was seen (before shrinking)."""
         self.kinds: dict[tuple[str, ...], ExploreFailure] = {}
@@ -161,7 +162,6 @@ class _Recorder:
         when it broke no id), in the order the kinds were first seen."""
 
     def failed(self, failure: ExploreFailure, exc: BaseException) -> None:
-        self.failure = failure
         self.kinds[failure.ids or (type(exc).__name__,)] = failure  # a kind seen again keeps its place
 
     def reported(self) -> tuple[ExploreFailure | None, list[ExploreFailure]]:
@@ -508,7 +508,7 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
         try:
             run_state_machine_as_test(machine, settings=config)
         except Exception as exc:  # the model broke (or the backend raised): the recorded story says how
-            if recorder.failure is None:
+            if not recorder.kinds:
                 recorder.failure = ExploreFailure((), f"{type(exc).__name__}: {exc}", [], "skip", None)
             elif type(exc).__name__.startswith("Flaky"):
                 run.notes.append("the failure did not reproduce on Hypothesis's replay (flaky): the story below is "
