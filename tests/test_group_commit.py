@@ -24,6 +24,7 @@ from botmesh.core.file_kv import FileKv
 from botmesh.core.fileio import FileIO
 from botmesh.core.group_commit import GroupCommit
 from botmesh.core.spi import DurableKv
+from botmesh.core.turns import others_runnable
 from botmesh.sqlite_store import SQLiteKv
 from botmesh_testkit.crash.fs import PowerCutIO
 from botmesh_testkit.crash.fs.image import materialize
@@ -359,6 +360,49 @@ async def test_writes_of_one_key_never_share_a_group() -> None:
     order: Callable[[str], Callable[[], str]] = lambda name: (lambda: name)  # noqa: E731
     await asyncio.gather(group.submit("k", order("1")), group.submit("k", order("2")), group.submit("j", order("3")))
     assert flushed == [["1", "3"], ["2"]]
+
+
+@pytest.mark.spec("BACK-7")
+async def test_a_lone_writer_with_nothing_else_runnable_is_flushed_without_a_loop_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 16: the leader gathers other writers only while a loop turn could bring one.
+    With nothing else runnable the turn would only resume it — the loop's ``select`` is
+    not called at all between the submit and its result."""
+    flushed: list[list[str]] = []
+
+    def flush(items: list[str]) -> list[str]:
+        flushed.append(list(items))
+        return items
+
+    group: GroupCommit[str, str] = GroupCommit(flush)
+    loop = asyncio.get_running_loop()
+    selects: list[object] = []
+    real_select = loop._selector.select  # type: ignore[attr-defined]
+
+    def counting_select(timeout: float | None = None) -> object:
+        selects.append(timeout)
+        return real_select(timeout)
+
+    monkeypatch.setattr(loop._selector, "select", counting_select)  # type: ignore[attr-defined]
+    assert await group.submit("a", lambda: "a") == "a"
+    assert selects == [], "the lone writer took loop turns before its flush"
+    assert flushed == [["a"]]
+
+
+@pytest.mark.spec("BACK-7")
+async def test_a_timer_due_now_or_a_ready_callback_counts_as_something_else_runnable() -> None:
+    loop = asyncio.get_running_loop()
+    assert others_runnable() is False
+    later = loop.call_later(3600, lambda: None)
+    assert others_runnable() is False, "a timer due in an hour is not runnable now"
+    due = loop.call_at(loop.time(), lambda: None)
+    assert others_runnable() is True
+    due.cancel()
+    later.cancel()
+    soon = loop.call_soon(lambda: None)
+    assert others_runnable() is True
+    soon.cancel()
 
 
 # -- the same on the FUSE power-cut file system ----------------------------------------------------------

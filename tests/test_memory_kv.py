@@ -87,7 +87,7 @@ def test_a_loop_whose_queues_cannot_be_seen_always_gets_the_turn(monkeypatch: py
     """On an event loop other than asyncio's own (no ``_ready``/``_scheduled`` to look
     at), nothing tells that the turn may be skipped: every call takes it. (A sync test:
     no loop of the test runs while ``get_running_loop`` answers with the other loop.)"""
-    from botmesh.core import memory
+    from botmesh.core import memory, turns
 
     class Opaque:
         """Another loop, as the suspension point sees it (asyncio's queues not there)."""
@@ -95,5 +95,5 @@ def test_a_loop_whose_queues_cannot_be_seen_always_gets_the_turn(monkeypatch: py
         def time(self) -> float:
             return 0.0
 
-    monkeypatch.setattr(memory.asyncio, "get_running_loop", lambda: Opaque())
+    monkeypatch.setattr(turns.asyncio, "get_running_loop", lambda: Opaque())
     assert memory._suspension_point() is memory._TURN

@@ -21,7 +21,8 @@ How a write goes (:meth:`GroupCommit.submit`):
 3. **The first writer of a group leads it.** It lets the event loop run
    (``asyncio.sleep(0)``) for as long as each turn brings new writers — other chats
    reaching their own write — up to :attr:`GroupCommit.max_items`, then closes the
-   group and calls ``flush(items)`` once. A write that arrives after the group closed
+   group and calls ``flush(items)`` once. It takes no turn when nothing else could run
+   (:func:`~botmesh.core.turns.others_runnable`): a lone writer is flushed at once. A write that arrives after the group closed
    joins the next one.
 4. **Settled together.** ``flush`` returns one result per item (an exception instance
    for an item that failed on its own, e.g. a lost compare-and-set); each writer's
@@ -49,6 +50,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
+
+from .turns import others_runnable
 
 __all__ = ["DEFAULT_MAX_ITEMS", "GroupCommit"]
 
@@ -120,7 +123,9 @@ class GroupCommit(Generic[T, R]):
     async def _lead(self, group: _Group[T, R]) -> None:
         try:
             # Gather: let the loop run while each turn brings new writers.
-            while len(group.items) < self.max_items and self._open is group:
+            # Only while a turn could bring one (turns.others_runnable): a lone writer
+            # with nothing else runnable is flushed at once, without a loop turn.
+            while len(group.items) < self.max_items and self._open is group and others_runnable():
                 before = len(group.items)
                 await asyncio.sleep(0)
                 if len(group.items) == before:

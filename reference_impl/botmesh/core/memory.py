@@ -5,7 +5,6 @@ other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Generator
 from typing import Any
 
@@ -13,6 +12,7 @@ from .errors import BackendUnavailableError, VersionConflict
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .kv_durability import KvDurability
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from .turns import others_runnable
 
 __all__ = ["MemoryDurability", "MemoryKv"]
 
@@ -44,23 +44,11 @@ _NOTHING = _Nothing()
 
 def _suspension_point() -> _Turn | _Nothing:
     """The end of every :class:`MemoryKv` call: a suspension point, as the I/O of any
-    other kv is — whatever else is runnable runs there. On asyncio's own event loop,
-    when nothing else is runnable (no ready callback, no timer due), the turn is not
-    taken: it would only resume the caller at once (issue 16: a loop turn was the
-    largest single cost of a call), and every task, callback and timer still runs in
-    the same order as with the turn. Only an I/O readiness that arrives exactly then
-    could be seen a turn later — what real I/O timing decides anyway. Another loop, or
-    a loop whose queues cannot be seen: the turn is always taken."""
-    loop = asyncio.get_running_loop()
-    try:
-        if loop._ready:  # type: ignore[attr-defined]
-            return _TURN
-        scheduled = loop._scheduled  # type: ignore[attr-defined]
-        if scheduled and scheduled[0]._when <= loop.time() + loop._clock_resolution:  # type: ignore[attr-defined]
-            return _TURN
-    except AttributeError:  # not asyncio's own loop: its queues cannot be seen
-        return _TURN
-    return _NOTHING
+    other kv is — whatever else is runnable runs there. When nothing else could run
+    (:func:`~botmesh.core.turns.others_runnable`: no ready callback, no timer due, on
+    asyncio's own loop) the turn is not taken: it would only resume the caller at once
+    (issue 16: a loop turn was the largest single cost of a call)."""
+    return _TURN if others_runnable() else _NOTHING
 
 
 class MemoryKv(DurableKv):
