@@ -1840,6 +1840,71 @@ def test_a_snapshot_made_from_the_last_ones_lines_is_the_same_file() -> None:
     assert lines[(S, "outbox", "k")][0] is changed[(S, "outbox")]["k"]
 
 
+_TEXT_STRINGS = st.text(alphabet=st.sampled_from(["a", "\u00e9", "\U0001f642", '"', "\\", "\n", "\x1f", "/", " "]),
+                        max_size=10)
+_JSON = st.recursive(
+    st.one_of(_TEXT_STRINGS, st.integers(-10**20, 10**20), st.booleans(), st.none(),
+              st.floats(allow_nan=False, allow_infinity=False)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_TEXT_STRINGS, inner, max_size=4)),
+    max_leaves=12,
+)
+_SCORES = st.one_of(st.none(), st.floats(allow_nan=False), st.integers(-5, 5))
+
+
+@pytest.mark.spec("BACK-6")
+@settings(max_examples=300, deadline=None, database=None)
+@given(rows=st.lists(st.tuples(_TEXT_STRINGS, st.dictionaries(_TEXT_STRINGS, _JSON, max_size=4),
+                               st.integers(1, 10**6), _SCORES, _SCORES), max_size=5, unique_by=lambda r: r[0]))
+def test_a_snapshot_taking_the_values_texts_of_their_writes_is_the_same_file(
+    rows: list[tuple[str, dict[str, Any], int, Any, Any]],
+) -> None:
+    """Issue 16: a snapshot takes a value's JSON text as its write encoded it (the log
+    line's) instead of encoding the value again. For drawn keys, values (multi-byte,
+    escaped and control characters, big integers, floats) and scores (infinite ones
+    included), the file is the one made from nothing, byte for byte, and the texts
+    are used up."""
+    from botmesh.core.file_format import ValueTexts, encode_value, snapshot_bytes
+
+    space = {key: (value, version, due, expires) for key, value, version, due, expires in rows}
+    records = {(S, "inbox"): space}
+    texts: ValueTexts = {(S, "inbox", key): (entry, encode_value(entry[0], key)) for key, entry in space.items()}
+    assert snapshot_bytes(records, 7, {}, texts) == snapshot_bytes(records, 7)
+    assert texts == {}
+
+
+@pytest.mark.spec("BACK-6")
+def test_a_values_text_serves_only_the_very_entry_it_was_encoded_for() -> None:
+    """A text kept for an earlier entry of the record (another tuple, even one equal to
+    the present entry) is not taken: the value is encoded from the entry."""
+    from botmesh.core.file_format import ValueTexts, snapshot_bytes
+
+    entry = ({"x": 1}, 2, None, None)
+    records = {(S, "inbox"): {"a": entry}}
+    texts: ValueTexts = {(S, "inbox", "a"): (({"x": 1}, 2, None, None), '{"x":"stale"}')}
+    data = snapshot_bytes(records, 1, {}, texts)
+    assert b"stale" not in data and data == snapshot_bytes(records, 1)
+    texts = {(S, "inbox", "a"): (entry, '{"x":"taken"}')}
+    assert b'{"x":"taken"}' in snapshot_bytes(records, 1, {}, texts), "the text of the very entry is taken"
+
+
+@pytest.mark.spec("BACK-6")
+@settings(max_examples=300, deadline=None, database=None)
+@given(value=_JSON)
+def test_the_files_encoder_writes_what_the_json_module_writes(value: Any) -> None:
+    """The file format's one reusable C encoder gives the text ``json.dumps`` gives
+    with the format's options, and so does its fallback without the C accelerator."""
+    from botmesh.core import file_format
+
+    expected = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    assert file_format._dumps(value) == expected
+    c_encode = file_format._C_ENCODE
+    try:
+        file_format._C_ENCODE = None
+        assert file_format._dumps(value) == expected
+    finally:
+        file_format._C_ENCODE = c_encode
+
+
 @pytest.mark.parametrize("append_log", [False, True])
 @pytest.mark.spec("BACK-6", "BACK-4")
 def test_the_snapshot_on_file_is_the_one_its_records_make(tmp_path: Path, append_log: bool) -> None:

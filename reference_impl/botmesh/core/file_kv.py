@@ -20,6 +20,7 @@ from .file_format import (
     Entry,
     Records,
     SnapshotLines,
+    ValueTexts,
     encode_value,
     is_int,
     log_line,
@@ -144,7 +145,9 @@ class FileKv(DurableKv):
 
     Memory: every record's value, and — from the first snapshot written on — its line of
     the snapshot as well (JSON text), so that the next snapshot encodes only the records
-    written since (:func:`~botmesh.core.file_format.snapshot_bytes`).
+    written since (:func:`~botmesh.core.file_format.snapshot_bytes`); the values written
+    since are kept as the JSON text their write encoded too, which that snapshot takes
+    instead of encoding them again.
     """
 
     capabilities = Capabilities(survives_crash=True, multi_process=False, multi_host=False, shared=False)
@@ -194,6 +197,7 @@ class FileKv(DurableKv):
 
         self._records: Records = {}
         self._snapshot_lines: SnapshotLines = {}  # the last snapshot's lines (snapshot_bytes)
+        self._value_texts: ValueTexts = {}  # the values written since, as encoded (snapshot_bytes)
         self._seq = 0  # seq of the last write committed (log_seq of a snapshot written now)
         self._log_fd: int | None = None
         self._log_entries = 0  # lines in the log file (those already folded included)
@@ -280,6 +284,7 @@ class FileKv(DurableKv):
                 self._close_quietly(self._log_fd)
                 self._log_fd = None
             self._snapshot_lines = {}
+            self._value_texts = {}
             self._release_lock_file()
             self._unregister()
 
@@ -303,6 +308,7 @@ class FileKv(DurableKv):
                 self._io.write_lock(self._lock_path, self._io.dead_pid())
         finally:
             self._snapshot_lines = {}
+            self._value_texts = {}
             self._unregister()
 
     # -- DurableKv -------------------------------------------------------------------------
@@ -449,12 +455,15 @@ class FileKv(DurableKv):
         self._append_lines(lines)
         self._seq = seq
         self._log_entries += len(changes)
+        texts = self._value_texts
         for c in changes:
             space_map = self._records.setdefault((c.scope, c.space), {})
             if c.entry is None:
                 del space_map[c.key]
+                texts.pop((c.scope, c.space, c.key), None)
             else:
                 space_map[c.key] = c.entry
+                texts[(c.scope, c.space, c.key)] = (c.entry, c.encoded)  # type: ignore[assignment]
         if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
             self._compact()
 
@@ -471,6 +480,7 @@ class FileKv(DurableKv):
                 del space_map[c.key]
             else:
                 space_map[c.key] = c.entry
+                self._value_texts[(c.scope, c.space, c.key)] = (c.entry, c.encoded)  # type: ignore[assignment]
         try:
             self._write_snapshot(records, self._seq)
         except _SnapshotWriteFailed as failed:
@@ -487,7 +497,7 @@ class FileKv(DurableKv):
         """Replace the snapshot by a rename (BACK-6): atomic against a process crash, and
         against a power cut with ``fsync`` only (data forced before the rename, the
         directory after). Raises ``_SnapshotWriteFailed``."""
-        data = snapshot_bytes(records, log_seq, self._snapshot_lines)
+        data = snapshot_bytes(records, log_seq, self._snapshot_lines, self._value_texts)
         tmp = self._path + ".tmp"
         try:
             self._io.write_file(tmp, data, fsync=self._fsync)
