@@ -391,6 +391,33 @@ async def test_a_lone_writer_with_nothing_else_runnable_is_flushed_without_a_loo
 
 
 @pytest.mark.spec("BACK-7")
+async def test_a_lone_writer_gets_its_own_result_or_error_from_its_group_of_one() -> None:
+    """The lone writer's group (flushed at once, issue 16) settles as any group: its own
+    result, its own failure (an exception instance in the results), the flush's error,
+    and a flush that returns the wrong number of results is an error; only flushed
+    groups are counted."""
+    outcomes: list[Any] = []
+
+    def flush(items: list[str]) -> list[Any]:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, OSError):
+            raise outcome
+        return outcome  # type: ignore[no-any-return]
+
+    group: GroupCommit[str, Any] = GroupCommit(flush)
+    outcomes[:] = [["done"], [VersionConflict.at("inbox", "a", 0, 1)], OSError(errno.EIO, "disk"), ["x", "y"]]
+    assert await group.submit("a", lambda: "a") == "done"
+    with pytest.raises(VersionConflict):
+        await group.submit("a", lambda: "a")
+    with pytest.raises(OSError, match="disk"):
+        await group.submit("a", lambda: "a")
+    with pytest.raises(RuntimeError, match="2 results for 1 item"):
+        await group.submit("a", lambda: "a")
+    assert (group.groups, group.items) == (2, 2)
+    assert outcomes == []
+
+
+@pytest.mark.spec("BACK-7")
 async def test_a_timer_due_now_or_a_ready_callback_counts_as_something_else_runnable() -> None:
     loop = asyncio.get_running_loop()
     assert others_runnable() is False

@@ -22,7 +22,8 @@ How a write goes (:meth:`GroupCommit.submit`):
    (``asyncio.sleep(0)``) for as long as each turn brings new writers — other chats
    reaching their own write — up to :attr:`GroupCommit.max_items`, then closes the
    group and calls ``flush(items)`` once. It takes no turn when nothing else could run
-   (:func:`~botmesh.core.turns.others_runnable`): a lone writer is flushed at once. A write that arrives after the group closed
+   (:func:`~botmesh.core.turns.others_runnable`): a lone writer — nothing queued,
+   nothing else runnable — is flushed at once, as a group of one. A write that arrives after the group closed
    joins the next one.
 4. **Settled together.** ``flush`` returns one result per item (an exception instance
    for an item that failed on its own, e.g. a lost compare-and-set); each writer's
@@ -99,6 +100,10 @@ class GroupCommit(Generic[T, R]):
         while (busy := self._inflight.get(key)) is not None:
             await asyncio.wait([busy])
         item = prepare()  # may raise: then nothing is queued
+        if not self._inflight and not others_runnable():
+            # Nothing queued and nothing else could run: the group would be this item
+            # alone, flushed at once (see _lead) — flushed here without its bookkeeping.
+            return self._flush_alone(item)
         loop = asyncio.get_running_loop()
         group = self._open
         lead = group is None
@@ -134,6 +139,18 @@ class GroupCommit(Generic[T, R]):
             if self._open is group:
                 self._open = None
             self._settle(group)
+
+    def _flush_alone(self, item: T) -> R:
+        """A group of ``item`` alone, flushed now: its result, or its error raised."""
+        results = self._flush([item])
+        if len(results) != 1:
+            raise RuntimeError(f"group commit: flush returned {len(results)} results for 1 item")
+        self.groups += 1
+        self.items += 1
+        result = results[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _settle(self, group: _Group[T, R]) -> None:
         try:
