@@ -1891,18 +1891,19 @@ def test_a_values_text_serves_only_the_very_entry_it_was_encoded_for() -> None:
 @settings(max_examples=300, deadline=None, database=None)
 @given(value=_JSON)
 def test_the_files_encoder_writes_what_the_json_module_writes(value: Any) -> None:
-    """The file format's one reusable C encoder gives the text ``json.dumps`` gives
-    with the format's options, and so does its fallback without the C accelerator."""
-    from botmesh.core import file_format
+    """The one reusable C encoder the file format (and the Redis kv) encode checked
+    values with gives the text ``json.dumps`` gives with the format's options, and so
+    does its fallback without the C accelerator."""
+    from botmesh.core import file_format, spi
 
     expected = json.dumps(value, separators=(",", ":"), allow_nan=False)
     assert file_format._dumps(value) == expected
-    c_encode = file_format._C_ENCODE
+    c_encode = spi._C_ENCODE
     try:
-        file_format._C_ENCODE = None
+        spi._C_ENCODE = None
         assert file_format._dumps(value) == expected
     finally:
-        file_format._C_ENCODE = c_encode
+        spi._C_ENCODE = c_encode
 
 
 @pytest.mark.parametrize("append_log", [False, True])

@@ -120,6 +120,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeGuard
 
 from .errors import JournalCorruptError
+from .spi import encode_checked
 
 __all__ = [
     "FORMAT_VERSION",
@@ -227,27 +228,10 @@ def _counter(value: object, low: int) -> TypeGuard[int]:
 # ---------------------------------------------------------------------------------------
 
 
-# One encoder for every line (json.dumps with arguments builds a new one per call).
-# allow_nan=False: scores are encoded by _score_out (±inf as strings), and values were
-# checked by check_json_object, which forbids NaN/inf inside them.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-# JSONEncoder.encode builds its C encoder anew at every call, with a dict of the objects
-# being encoded to detect cycles. What is encoded here is acyclic by construction (the
-# fresh copies check_json_object makes, and lists of those), so one C encoder without
-# that dict serves every call: the same text, ~1 us less per line (issue 16). Without
-# the C accelerator (another Python), the encoder's own encode.
-_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)  # not in the module's type stubs
-_C_ENCODE = None if _c_make_encoder is None else _c_make_encoder(
-    None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False
-)
-
-
-def _dumps(obj: Any) -> str:
-    """``obj`` as compact ASCII JSON, exactly as ``_ENCODER.encode`` gives it."""
-    if _C_ENCODE is None:
-        return _ENCODER.encode(obj)
-    return "".join(_C_ENCODE(obj, 0))
-
+# One reusable encoder for every line (spi.encode_checked): what is encoded is acyclic —
+# values check_json_object copied, which forbids NaN/inf inside them, and scores that
+# _score_out gives (±inf as strings).
+_dumps = encode_checked
 _INF = math.inf
 
 
