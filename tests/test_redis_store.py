@@ -241,6 +241,20 @@ def test_spaces_with_colons_cannot_meet_other_spaces() -> None:
     assert not set(scope_keys("p", "x", "in:box").values()) & set(scope_keys("p", "box:x", "in").values())
 
 
+@spec("BACK-3", "SCOPE-2")
+def test_the_keys_kept_per_scope_and_space_are_the_layouts_even_past_the_bound() -> None:
+    """Issue 16: the Redis keys of a ``(prefix, scope, space)`` are made once and kept.
+    What a kv answers is the layout's keys made without the cache for every pair,
+    look-alike scopes included, also once more pairs were asked than are kept."""
+    kv = RedisKv(url="redis://127.0.0.1:1/0", prefix="p")  # no call is made: no server needed
+    pairs = [(scope, space) for scope in LOOK_ALIKES for space in ("inbox", "in:box", "outbox")]
+    pairs += [(f"scope-{i}", "inbox") for i in range(scope_keys.cache_info().maxsize + 5)]
+    for scope, space in pairs + pairs[:10]:
+        made_now = scope_keys.__wrapped__("p", scope, space)  # the layout, made without the cache
+        assert kv.keys_of(scope, space) == made_now, (scope, space)
+    assert scope_keys.cache_info().currsize <= scope_keys.cache_info().maxsize
+
+
 def test_key_pattern_matches_only_this_prefix() -> None:
     """The cleanup pattern covers the prefix's keys and not those of a longer prefix
     that starts with it; glob characters of a prefix are escaped."""
