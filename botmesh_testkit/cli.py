@@ -278,6 +278,10 @@ class _ExploreCollector:
                 self._say(f"    {line}")
             self._say(f"  story file: {record['story']}")
             self._say(f"  replay it: {record['replay']}")
+            for other in record.get("also", []):
+                self._say(f"  also found, another kind: {other['violated']}")
+                self._say(f"    its story ({other['shape']}, {len(other['story_lines'])} steps): {other['story']}")
+                self._say(f"    replay it: {other['replay']}")
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:

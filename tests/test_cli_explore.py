@@ -162,3 +162,34 @@ def test_run_passes_explore_seconds_to_the_explore_part(tmp_path: Path) -> None:
     assert run.returncode == 0, out + run.stderr
     stories, _, _ = headline(out, "memory", 2, "passed", cut=" (stopped by the time budget)").groups()
     assert 0 < int(stories) < 30, out
+
+
+@pytest.mark.spec("TEST-4")
+def test_the_command_prints_every_kind_found_with_its_story_file_and_replay() -> None:
+    """What ``botmesh-testkit explore`` prints of a failed backend's record: the first
+    kind's story, file and replay, then each other kind found with its own file and
+    replay command (the record as ``ExploreItem`` attaches it)."""
+    import io
+    from types import SimpleNamespace
+
+    from botmesh_testkit.cli import _ExploreCollector
+
+    def kind(tag: str, ids: str) -> dict[str, Any]:
+        return {"violated": f"violated {ids}broken {tag}", "story": f"/s/explore_{tag}.py",
+                "story_lines": [f"await x.receive('{tag}')"], "shape": "shrunk; on_ambiguous=skip, text_limit=None",
+                "replay": f"pytest --botmesh-backend=memory -k explore_{tag}"}
+
+    record = {"summary": "explore on memory, seed 5: 3 stories, 9 steps in 0.1 s: FAILED", "notes": [],
+              **kind("first", "[INB-3] "), "also": [kind("second", "[OUT-7] "), kind("third", "")]}
+    out = io.StringIO()
+    report = SimpleNamespace(user_properties=[("botmesh_backend", "memory"), ("botmesh_explore", record)],
+                             nodeid="botmesh-explore::memory/40-stories", when="call", outcome="failed")
+    _ExploreCollector(out).pytest_runtest_logreport(report)
+    assert out.getvalue().splitlines()[-6:] == [
+        "  also found, another kind: violated [OUT-7] broken second",
+        "    its story (shrunk; on_ambiguous=skip, text_limit=None, 1 steps): /s/explore_second.py",
+        "    replay it: pytest --botmesh-backend=memory -k explore_second",
+        "  also found, another kind: violated broken third",
+        "    its story (shrunk; on_ambiguous=skip, text_limit=None, 1 steps): /s/explore_third.py",
+        "    replay it: pytest --botmesh-backend=memory -k explore_third",
+    ], out.getvalue()

@@ -465,3 +465,51 @@ def test_the_failure_reported_is_the_kind_found_first_in_its_last_story() -> Non
     recorder.failed(ExploreFailure((), "KeyError: 'x'", ["a"], "skip", None), KeyError("x"))
     recorder.failed(ExploreFailure((), "ValueError: y", ["b"], "skip", None), ValueError("y"))
     assert [o.message for o in recorder.reported()[1]] == ["('OUT-7', 'RETRY-1') in 8", "KeyError: 'x'", "ValueError: y"]
+
+
+THREE_KINDS = '''
+import botmesh_testkit.explore.machine as machine
+from botmesh_testkit.explore.machine import ExploreFailure, ExploreRun
+
+
+def three_kinds(backend, *, examples, seconds, seed, database, crashes, **kw):
+    """A run that met three kinds of failure (stands for explore: only the report is tested)."""
+    def found(ids, tag):
+        return ExploreFailure(ids, f"broken {tag}", [f"assert False, 'the story of {tag}'"], "skip", None)
+
+    run = ExploreRun(backend, seed, examples=3, steps=9)
+    run.failure = found(("INB-3",), "first")
+    run.others = [found(("OUT-7", "RETRY-1"), "second"), found((), "third")]
+    return run
+
+
+machine.explore = three_kinds
+'''
+
+
+@pytest.mark.spec("TEST-4")
+def test_every_kind_of_failure_found_gets_its_own_story_file_and_replay_command(pytester: pytest.Pytester) -> None:
+    """A run that met several kinds of failure writes each kind's shrunk story to a file
+    of its own and prints the command that replays it — which selects that story alone
+    (``-k NAME`` matches no other story's name) and fails its way; the guarantees every
+    kind broke are reported broken."""
+    pytester.makeconftest(THREE_KINDS)
+    result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=memory",
+                                           "--botmesh-parts=explore", "--botmesh-seed=5", timeout=300)
+    out = result.stdout.str()
+    assert result.ret == 1, out[-3000:]
+    result.stdout.fnmatch_lines(["*violated [[]INB-3[]] broken first*",
+                                 "*also found, another kind: violated [[]OUT-7, RETRY-1[]] broken second*",
+                                 "*also found, another kind: violated broken third*"])
+    result.stdout.fnmatch_lines(["*BROKEN*OUT-7*"])
+    replays = re.findall(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios "
+                         r"--botmesh-scenarios=(\S+) -k (\S+)", out)
+    assert [name for _, _, name in replays] == ["explore_memory_5", "explore_memory_seed5_kind2",
+                                                "explore_memory_seed5_kind3"], replays
+    for (backend, folder, name), tag in zip(replays, ["first", "second", "third"], strict=True):
+        assert (Path(folder) / f"{name}.py").is_file()
+        again = pytester.runpytest_subprocess("-p", "no:benchmark", backend, "--botmesh-parts=scenarios",
+                                              f"--botmesh-scenarios={folder}", "-k", name, timeout=300)
+        said = again.stdout.str()
+        assert again.ret == 1 and f"the story of {tag}" in said, said[-3000:]
+        assert re.search(r"\b1 failed\b", said) and "passed" not in said.splitlines()[-1], said[-2000:]

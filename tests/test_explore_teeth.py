@@ -362,7 +362,8 @@ def test_explore_finds_a_sweep_pass_that_one_record_aborts(pytester: pytest.Pyte
     another record left pending from being replayed all that time (INB-3). While it
     shrinks, the run may also meet a failed send's due retry held up (OUT-7, RETRY-1) —
     whether it does depends on how far shrinking gets in its time bound. The failure
-    reported is the kind found first (INB-3 at this seed), another kind a note; before,
-    the kind replayed last was reported, and CI saw OUT-7 twice."""
+    reported is the kind found first (INB-3 at this seed), another kind listed after it
+    with a story file of its own; before, the kind replayed last was reported, and CI
+    saw OUT-7 twice."""
     story = _caught_and_replayed(pytester, BRITTLE_SWEEP, "INB-3", examples=40, seed=7)
     assert "unreadable=300000" in story, story

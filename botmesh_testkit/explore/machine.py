@@ -134,6 +134,9 @@ class ExploreRun:
     failure: ExploreFailure | None = None
     story_path: Path | None = None
     notes: list[str] = field(default_factory=list)
+    others: list[ExploreFailure] = field(default_factory=list)
+    """The other kinds of failure the run met (other sets of broken ids), each with its
+    own shrunk story, in the order found (``failure`` is the first)."""
 
     @property
     def passed(self) -> bool:
@@ -517,20 +520,21 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
         done += n
         chunk += 1
     run.examples, run.steps = recorder.examples, recorder.steps
-    run.failure, others = recorder.reported()
-    for other in others:  # each kind has its own shrunk story; the one reported is the first found
-        ids = f"[{', '.join(other.ids)}] " if other.ids else ""
-        said = other.message if len(other.message) <= 200 else other.message[:200] + " ..."
-        run.notes.append(f"also found: {ids}{said} (its shrunk story: {len(other.lines)} steps)")
+    # each kind has its own shrunk story; the one reported is the first found
+    run.failure, run.others = recorder.reported()
     if recorder.found_after is not None:
         run.notes.append(f"first failing story: example {recorder.found_after}; the rest shrank it")
     run.seconds = time.monotonic() - started
     return run
 
 
-def render_story(backend: str, seed: int, failure: ExploreFailure) -> tuple[str, str]:
-    """The scenario file (its function's name, its text) that replays ``failure``."""
-    name = f"explore_{re.sub(r'[^0-9A-Za-z]', '_', backend)}_{seed}"
+def render_story(backend: str, seed: int, failure: ExploreFailure, kind: int = 1) -> tuple[str, str]:
+    """The scenario file (its function's name, its text) that replays ``failure``, the
+    ``kind``-th kind of failure the run found: ``explore_<backend>_<seed>`` for the first,
+    ``explore_<backend>_seed<seed>_kind<k>`` for the others (no name contains another's
+    first part, so ``-k NAME`` picks one story, with at most 9 kinds)."""
+    slug = re.sub(r"[^0-9A-Za-z]", "_", backend)
+    name = f"explore_{slug}_{seed}" if kind == 1 else f"explore_{slug}_seed{seed}_kind{kind}"
     ids = failure.ids or IDS
     extra = ", default_id=True" if failure.default_id else ""
     body = [f"    x = Explorer(s, text_limit={failure.text_limit!r}, policy={failure.policy!r}{extra})"]

@@ -357,7 +357,8 @@ class ExploreItem(ReportingItem):
     """The explore part on one backend (:mod:`botmesh_testkit.explore.machine`): up to
     ``examples`` generated stories within about ``seconds``. A failing story, shrunk, is
     written as a scenario file (into the pytest cache's ``d/botmesh-explore/stories``, else a
-    temporary folder, printed) that replays it with ``--botmesh-scenarios``; the stories
+    temporary folder, printed) that replays it with ``--botmesh-scenarios`` — the story of
+    each kind of failure found, each in a file of its own with its own command; the stories
     Hypothesis found failing are kept in ``d/botmesh-explore/<backend>`` and replayed first
     by the next run."""
 
@@ -401,23 +402,35 @@ class ExploreItem(ReportingItem):
             self.user_properties.append(("botmesh_explore", record))
             return
         failure = run.failure
-        self.user_properties.append(("botmesh_violated", failure.ids))
-        name, text = render_story(self.backend, self.seed, failure)
+        self.user_properties.append(("botmesh_violated", tuple(sorted({i for f in (failure, *run.others) for i in f.ids}))))
         folder = self._cache("stories") or Path(tempfile.mkdtemp(prefix="botmesh-explore-stories-"))
-        path = folder / f"{name}.py"
-        path.write_text(text, encoding="utf-8")
-        base = rerun_base(self.config, self.seed)
-        ids = f"[{', '.join(failure.ids)}] " if failure.ids else ""
-        replay = (f"pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
-                  f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")
-        violated = f"violated {ids}{failure.message}"
-        shape = f"shrunk; on_ambiguous={failure.policy}, text_limit={failure.text_limit}"
-        record.update(violated=violated, story=str(path), story_lines=list(failure.lines), shape=shape, replay=replay)
+
+        def written(found: Any, kind: int) -> dict[str, Any]:
+            """``found``'s story as a scenario file of its own; what to say about it."""
+            name, text = render_story(self.backend, self.seed, found, kind)
+            path = folder / f"{name}.py"
+            path.write_text(text, encoding="utf-8")
+            ids = f"[{', '.join(found.ids)}] " if found.ids else ""
+            return {"violated": f"violated {ids}{found.message}", "story": str(path),
+                    "story_lines": list(found.lines),
+                    "shape": f"shrunk; on_ambiguous={found.policy}, text_limit={found.text_limit}",
+                    "replay": (f"pytest --botmesh-backend={shlex.quote(self.backend)} --botmesh-parts=scenarios "
+                               f"--botmesh-scenarios={shlex.quote(str(folder))} -k {name}")}
+
+        first = written(failure, 1)
+        also = [written(other, k) for k, other in enumerate(run.others, start=2)]
+        record.update(first, also=also)
         self.user_properties.append(("botmesh_explore", record))
-        lines = [run.summary(), f"  {violated}", *(f"  note: {n}" for n in run.notes),
-                 f"  the story ({shape}), written to {path}:"]
+        lines = [run.summary(), f"  {first['violated']}", *(f"  note: {n}" for n in run.notes),
+                 f"  the story ({first['shape']}), written to {first['story']}:"]
         lines += [f"    {line}" for line in failure.lines]
-        lines.append(f"  replay it: {replay}")
+        lines.append(f"  replay it: {first['replay']}")
+        for other in also:  # each other kind found, with its own shrunk story and replay
+            lines.append(f"  also found, another kind: {other['violated']}")
+            lines.append(f"    its story ({other['shape']}, {len(other['story_lines'])} steps), "
+                         f"written to {other['story']}")
+            lines.append(f"    replay it: {other['replay']}")
+        base = rerun_base(self.config, self.seed)
         lines.append(f"  rerun explore: {base} --botmesh-parts=explore --botmesh-matrix={matrix_name(self.config)}")
         raise CellFailed("\n".join(lines))
 
