@@ -491,9 +491,13 @@ machine.explore = three_kinds
 def test_every_kind_of_failure_found_gets_its_own_story_file_and_replay_command(pytester: pytest.Pytester) -> None:
     """A run that met several kinds of failure writes each kind's shrunk story to a file
     of its own and prints the command that replays it — which selects that story alone
-    (``-k NAME`` matches no other story's name) and fails its way; the guarantees every
-    kind broke are reported broken."""
+    (``-k NAME`` matches no other story's name, nor a story of an earlier run at seed 55
+    in the same folder) and fails its way; the guarantees every kind broke are reported
+    broken."""
     pytester.makeconftest(THREE_KINDS)
+    earlier = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=memory",
+                                            "--botmesh-parts=explore", "--botmesh-seed=55", timeout=300)
+    assert earlier.ret == 1, earlier.stdout.str()[-3000:]
     result = pytester.runpytest_subprocess("-p", "no:benchmark", "--botmesh-backend=memory",
                                            "--botmesh-parts=explore", "--botmesh-seed=5", timeout=300)
     out = result.stdout.str()
@@ -504,8 +508,7 @@ def test_every_kind_of_failure_found_gets_its_own_story_file_and_replay_command(
     result.stdout.fnmatch_lines(["*BROKEN*OUT-7*"])
     replays = re.findall(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios "
                          r"--botmesh-scenarios=(\S+) -k (\S+)", out)
-    assert [name for _, _, name in replays] == ["explore_memory_5", "explore_memory_seed5_kind2",
-                                                "explore_memory_seed5_kind3"], replays
+    assert [name for _, _, name in replays] == [f"explore_memory_seed5_kind{k}_story" for k in (1, 2, 3)], replays
     for (backend, folder, name), tag in zip(replays, ["first", "second", "third"], strict=True):
         assert (Path(folder) / f"{name}.py").is_file()
         again = pytester.runpytest_subprocess("-p", "no:benchmark", backend, "--botmesh-parts=scenarios",

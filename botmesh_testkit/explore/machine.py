@@ -530,11 +530,11 @@ def _explore(backend: str, *, examples: int, seconds: float, seed: int, database
 
 def render_story(backend: str, seed: int, failure: ExploreFailure, kind: int = 1) -> tuple[str, str]:
     """The scenario file (its function's name, its text) that replays ``failure``, the
-    ``kind``-th kind of failure the run found: ``explore_<backend>_<seed>`` for the first,
-    ``explore_<backend>_seed<seed>_kind<k>`` for the others (no name contains another's
-    first part, so ``-k NAME`` picks one story, with at most 9 kinds)."""
-    slug = re.sub(r"[^0-9A-Za-z]", "_", backend)
-    name = f"explore_{slug}_{seed}" if kind == 1 else f"explore_{slug}_seed{seed}_kind{kind}"
+    ``kind``-th kind of failure the run found (1: the one reported), named
+    ``explore_<backend>_seed<seed>_kind<k>_story``: no such name is part of another — of
+    another kind, seed or backend — so ``-k NAME`` picks that one story in a folder that
+    also holds the stories of earlier runs."""
+    name = f"explore_{re.sub(r'[^0-9A-Za-z]', '_', backend)}_seed{seed}_kind{kind}_story"
     ids = failure.ids or IDS
     extra = ", default_id=True" if failure.default_id else ""
     body = [f"    x = Explorer(s, text_limit={failure.text_limit!r}, policy={failure.policy!r}{extra})"]

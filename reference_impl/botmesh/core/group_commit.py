@@ -23,8 +23,8 @@ How a write goes (:meth:`GroupCommit.submit`):
    reaching their own write — up to :attr:`GroupCommit.max_items`, then closes the
    group and calls ``flush(items)`` once. It takes no turn when nothing else could run
    (:func:`~botmesh.core.turns.others_runnable`): a lone writer — nothing queued,
-   nothing else runnable — is flushed at once, as a group of one. A write that arrives after the group closed
-   joins the next one.
+   nothing else runnable — is flushed at once, as a group of one. A write that arrives
+   after the group closed joins the next one.
 4. **Settled together.** ``flush`` returns one result per item (an exception instance
    for an item that failed on its own, e.g. a lost compare-and-set); each writer's
    ``submit`` returns or raises its own only after ``flush`` returned, i.e. after the
