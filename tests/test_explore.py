@@ -506,8 +506,9 @@ def test_every_kind_of_failure_found_gets_its_own_story_file_and_replay_command(
                                  "*also found, another kind: violated [[]OUT-7, RETRY-1[]] broken second*",
                                  "*also found, another kind: violated broken third*"])
     result.stdout.fnmatch_lines(["*BROKEN*OUT-7*"])
-    replays = re.findall(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios "
-                         r"--botmesh-scenarios=(\S+) -k (\S+)", out)
+    # (the failure's text may be printed twice: in the item's report and in the run's summary)
+    replays = list(dict.fromkeys(re.findall(r"replay it: pytest (--botmesh-backend=\S+) --botmesh-parts=scenarios "
+                                            r"--botmesh-scenarios=(\S+) -k (\S+)", out)))
     assert [name for _, _, name in replays] == [f"explore_memory_seed5_kind{k}_story" for k in (1, 2, 3)], replays
     for (backend, folder, name), tag in zip(replays, ["first", "second", "third"], strict=True):
         assert (Path(folder) / f"{name}.py").is_file()
