@@ -77,9 +77,9 @@ async def test_two_writers_take_turns_call_by_call() -> None:
 
 @spec("BACK-7")
 async def test_on_asyncio_s_loop_with_nothing_runnable_no_turn_is_taken() -> None:
-    from botmesh.core import memory
+    from botmesh.core import memory, turns
 
-    assert memory._suspension_point() is memory._NOTHING
+    assert memory._suspension_point() is turns.NOTHING
 
 
 @spec("BACK-7")
@@ -96,4 +96,4 @@ def test_a_loop_whose_queues_cannot_be_seen_always_gets_the_turn(monkeypatch: py
             return 0.0
 
     monkeypatch.setattr(turns.asyncio, "get_running_loop", lambda: Opaque())
-    assert memory._suspension_point() is memory._TURN
+    assert memory._suspension_point() is turns.TURN

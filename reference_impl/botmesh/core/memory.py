@@ -5,50 +5,15 @@ other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .kv_durability import KvDurability
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
-from .turns import others_runnable
+from .turns import suspension_point as _suspension_point
 
 __all__ = ["MemoryDurability", "MemoryKv"]
-
-
-class _Turn:
-    """An awaitable that gives the loop one turn (what ``asyncio.sleep(0)`` does)."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[None, None, None]:
-        yield
-
-
-_TURN = _Turn()
-
-
-class _Nothing:
-    """An awaitable that completes at once (nothing else could run meanwhile)."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[None, None, None]:
-        return
-        yield
-
-
-_NOTHING = _Nothing()
-
-
-def _suspension_point() -> _Turn | _Nothing:
-    """The end of every :class:`MemoryKv` call: a suspension point, as the I/O of any
-    other kv is — whatever else is runnable runs there. When nothing else could run
-    (:func:`~botmesh.core.turns.others_runnable`: no ready callback, no timer due, on
-    asyncio's own loop) the turn is not taken: it would only resume the caller at once
-    (issue 16: a loop turn was the largest single cost of a call)."""
-    return _TURN if others_runnable() else _NOTHING
 
 
 class MemoryKv(DurableKv):

@@ -10,25 +10,61 @@ exactly then would be seen a turn later — what real I/O timing decides anyway 
 run in virtual time stays deterministic. On another loop, whose queues cannot be seen,
 the answer is always yes.
 
-Used by :class:`~botmesh.core.memory.MemoryKv` (the suspension point at the end of
-every call) and :class:`~botmesh.core.group_commit.GroupCommit` (a group's leader
+Used by :class:`~botmesh.core.memory.MemoryKv` (:func:`suspension_point`, at the end
+of every call) and :class:`~botmesh.core.group_commit.GroupCommit` (a group's leader
 gathers other writers only while a turn could bring one)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
 
-__all__ = ["others_runnable"]
+__all__ = ["NOTHING", "TURN", "others_runnable", "suspension_point"]
+
+
+class _Turn:
+    """An awaitable that gives the loop one turn (what ``asyncio.sleep(0)`` does)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield
+
+
+class _Nothing:
+    """An awaitable that completes at once (nothing else could run meanwhile)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield
+
+
+TURN = _Turn()
+"""Awaited: one loop turn."""
+NOTHING = _Nothing()
+"""Awaited: nothing (no turn)."""
+
+
+def suspension_point() -> _Turn | _Nothing:
+    """:data:`TURN` when a turn of the running loop could run something other than the
+    caller (module docstring), else :data:`NOTHING`: ``await suspension_point()`` is a
+    suspension point that costs no loop turn when nothing else could run. (One call:
+    MemoryKv ends every call with it, issue 16.)"""
+    loop = asyncio.get_running_loop()
+    try:
+        if loop._ready:  # type: ignore[attr-defined]
+            return TURN
+        scheduled = loop._scheduled  # type: ignore[attr-defined]
+        if scheduled and scheduled[0]._when <= loop.time() + loop._clock_resolution:  # type: ignore[attr-defined]
+            return TURN
+    except AttributeError:  # not asyncio's own loop: its queues cannot be seen
+        return TURN
+    return NOTHING
 
 
 def others_runnable() -> bool:
     """Whether a turn of the running loop could run something other than the caller
     (module docstring): ``True`` on a loop whose queues cannot be seen."""
-    loop = asyncio.get_running_loop()
-    try:
-        if loop._ready:  # type: ignore[attr-defined]
-            return True
-        scheduled = loop._scheduled  # type: ignore[attr-defined]
-        return bool(scheduled) and scheduled[0]._when <= loop.time() + loop._clock_resolution  # type: ignore[attr-defined]
-    except AttributeError:  # not asyncio's own loop: its queues cannot be seen
-        return True
+    return suspension_point() is TURN
