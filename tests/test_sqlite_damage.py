@@ -224,3 +224,34 @@ def test_opening_the_journals_keeps_the_locks_of_this_process_other_connections(
     asyncio.run(body())
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+
+@pytest.mark.spec("BACK-6")
+def test_the_row_checksum_is_the_one_files_written_by_earlier_releases_carry() -> None:
+    """Issue 16 rewrote how ``row_crc`` builds its text: a file written before must
+    still check. The checksum, as schema version 2 defines it: CRC-32 of the fields, each
+    prefixed by its length and ``:`` (version, due and expires in their ``repr``), then
+    of the value's UTF-8 — here from drawn fields, multi-byte and lone surrogates
+    included, and the checksums the release before (98ec059) computed for two rows."""
+    import zlib
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    def v2_checksum(fields: tuple[str, ...], value: str) -> int:
+        head = "".join(f"{len(f)}:{f}" for f in fields).encode("utf-8", "surrogatepass")
+        return zlib.crc32(value.encode("utf-8", "surrogatepass"), zlib.crc32(head))
+
+    text = st.text(alphabet=st.sampled_from(["a", ":", "1", "\u00e9", "\U0001f642", "\ud800", " "]), max_size=8)
+    scores = st.one_of(st.none(), st.floats(allow_nan=False), st.integers(-3, 3))
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(scope=text, space=text, key=text, value=text, version=st.integers(1, 10**12), due=scores,
+           expires=scores)
+    def same(scope: str, space: str, key: str, value: str, version: int, due: Any, expires: Any) -> None:
+        fields = (scope, space, key, repr(version), repr(due), repr(expires))
+        assert row_crc(scope, space, key, value, version, due, expires) == v2_checksum(fields, value)
+
+    same()
+    assert row_crc("s", "inbox", "old", '{"text": "kept"}', 3, 12.5, None) == 3424305364
+    assert row_crc("-/-/bot/default", "outbox", "m4:1", '{"k":"\u00e9"}', 2, None, 1797157415148.9824) == 3383250734

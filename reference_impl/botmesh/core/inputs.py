@@ -35,11 +35,11 @@ names the argument and shows the value (cut short when long), and whose ``argume
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from .errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidKeyError, InvalidKeyTypeError
+from .spi import encode_json_object
 
 __all__ = [
     "KEY_SUFFIX_RESERVE",
@@ -274,9 +274,4 @@ def value_text(value: Any) -> str:
     :func:`~botmesh.core.spi.check_json_object` accepts; ``TypeError`` for a value that
     is not a dict or holds what JSON cannot, ``ValueError`` for NaN/infinity and for
     nesting too deep to encode."""
-    if not isinstance(value, dict):
-        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
-    try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except RecursionError:
-        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
+    return encode_json_object(value)  # (one encoder for every call: issue 16)

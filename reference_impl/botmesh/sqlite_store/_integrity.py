@@ -59,7 +59,8 @@ def row_crc(scope: str, space: str, key: str, value: str, version: int, due: flo
             expires: float | None) -> int:
     """The checksum of one row of ``durable``: CRC-32 of its fields, each prefixed by its
     length (floats in their exact round-trip form), so no two rows share an encoding."""
-    head = "".join(f"{len(f)}:{f}" for f in (scope, space, key, repr(version), repr(due), repr(expires)))
+    v, d, e = repr(version), repr(due), repr(expires)
+    head = f"{len(scope)}:{scope}{len(space)}:{space}{len(key)}:{key}{len(v)}:{v}{len(d)}:{d}{len(e)}:{e}"
     crc = zlib.crc32(head.encode("utf-8", "surrogatepass"))
     return zlib.crc32(value.encode("utf-8", "surrogatepass"), crc)
 

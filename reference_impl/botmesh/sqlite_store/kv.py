@@ -57,6 +57,9 @@ from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connec
 from ._integrity import check_row, row_crc
 
 _ROW = "scope, space, key, value, version, due, expires, crc"
+_VALUE_ENCODER = json.JSONEncoder(allow_nan=False)
+"""``json.dumps(value, allow_nan=False)``'s encoder, built once (json.dumps with an option
+builds one per call): the text a value is stored as."""
 """The columns :func:`~._integrity.check_row` checks, in its order."""
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
@@ -208,7 +211,7 @@ class SQLiteKv(DurableKv):
         ``BEGIN IMMEDIATE`` transaction shared with the writes of other tasks made at the
         same moment (group commit: one ``COMMIT`` for all; see the module docstring)."""
         due, expires = check_put(scope, space, key, expected_version, due, expires)
-        text = json.dumps(check_json_object(value), allow_nan=False)
+        text = _VALUE_ENCODER.encode(check_json_object(value))
         item = _Write(scope, space, key, text, expected_version, due, expires)
         return await self._write(item)
 
