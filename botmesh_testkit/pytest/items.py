@@ -387,7 +387,7 @@ class ExploreItem(ReportingItem):
         import re
 
         from ..backends.registry import resolve
-        from ..explore.machine import explore, render_story
+        from ..explore.machine import ExploreFailure, explore, render_story
 
         with tempfile.TemporaryDirectory(prefix="botmesh-probe-") as tmp:
             crashes = bool(resolve(self.backend)(tmp).capabilities.survives_crash)
@@ -405,7 +405,7 @@ class ExploreItem(ReportingItem):
         self.user_properties.append(("botmesh_violated", tuple(sorted({i for f in (failure, *run.others) for i in f.ids}))))
         folder = self._cache("stories") or Path(tempfile.mkdtemp(prefix="botmesh-explore-stories-"))
 
-        def written(found: Any, kind: int) -> dict[str, Any]:
+        def written(found: ExploreFailure, kind: int) -> dict[str, Any]:
             """``found``'s story as a scenario file of its own; what to say about it."""
             name, text = render_story(self.backend, self.seed, found, kind)
             path = folder / f"{name}.py"

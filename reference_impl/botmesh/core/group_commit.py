@@ -140,14 +140,18 @@ class GroupCommit(Generic[T, R]):
                 self._open = None
             self._settle(group)
 
+    def _flushed(self, items: list[T]) -> Sequence[R | BaseException]:
+        """``flush(items)``: its results, one per item (else ``RuntimeError``), counted."""
+        results = self._flush(items)
+        if len(results) != len(items):
+            raise RuntimeError(f"group commit: flush returned {len(results)} results for {len(items)} items")
+        self.groups += 1
+        self.items += len(items)
+        return results
+
     def _flush_alone(self, item: T) -> R:
         """A group of ``item`` alone, flushed now: its result, or its error raised."""
-        results = self._flush([item])
-        if len(results) != 1:
-            raise RuntimeError(f"group commit: flush returned {len(results)} results for 1 item")
-        self.groups += 1
-        self.items += 1
-        result = results[0]
+        result = self._flushed([item])[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -155,10 +159,7 @@ class GroupCommit(Generic[T, R]):
     def _settle(self, group: _Group[T, R]) -> None:
         try:
             try:
-                results: Sequence[R | BaseException] = self._flush(group.items)
-                if len(results) != len(group.items):
-                    raise RuntimeError(f"group commit: flush returned {len(results)} results "
-                                       f"for {len(group.items)} items")
+                results = self._flushed(group.items)
             except BaseException as exc:  # every write of the group fails with it
                 for future in group.futures:
                     if not future.done():
@@ -166,8 +167,6 @@ class GroupCommit(Generic[T, R]):
                 if not isinstance(exc, Exception):
                     raise
                 return
-            self.groups += 1
-            self.items += len(group.items)
             for future, result in zip(group.futures, results, strict=True):
                 if future.done():
                     continue

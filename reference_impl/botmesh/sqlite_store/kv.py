@@ -57,10 +57,10 @@ from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connec
 from ._integrity import check_row, row_crc
 
 _ROW = "scope, space, key, value, version, due, expires, crc"
+"""The columns :func:`~._integrity.check_row` checks, in its order."""
 _VALUE_ENCODER = json.JSONEncoder(allow_nan=False)
 """``json.dumps(value, allow_nan=False)``'s encoder, built once (json.dumps with an option
 builds one per call): the text a value is stored as."""
-"""The columns :func:`~._integrity.check_row` checks, in its order."""
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
 
