@@ -105,7 +105,8 @@ def _js(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-LOG_HEADER = frame(b'{"format":"botmesh.file_kv.log","version":2}')
+LOG_HEADER = frame(b'{"format":"botmesh.file_kv.log","version":3}')
+LOG_HEADER_V2 = frame(b'{"format":"botmesh.file_kv.log","version":2}')
 
 
 def read_snapshot(path: Path) -> dict[str, Any]:
@@ -128,7 +129,7 @@ def log_lines(path: Path) -> list[dict[str, Any]]:
     log = Path(str(path) + ".log")
     data = log.read_bytes()
     assert data.startswith(LOG_HEADER), data[:80]
-    return [json.loads(p) for p in unframe(data)[1:]]
+    return [entry for p in unframe(data)[1:] for entry in json.loads(p)]
 
 
 def _score(score: float | None) -> float | str | None:
@@ -162,13 +163,30 @@ def put_entry(
 def put_line(
     seq: int, key: str, version: int, value: dict[str, Any], due: float | None = None, space: str = "inbox"
 ) -> bytes:
-    """An append-log put entry written by hand (version 2: framed)."""
-    return frame(_js(put_entry(seq, key, version, value, due, space)))
+    """An append-log commit of one put entry, written by hand (log version 3: a framed
+    JSON array of entries)."""
+    return frame(b"[" + _js(put_entry(seq, key, version, value, due, space)) + b"]")
+
+
+def del_entry(seq: int, key: str, version: int, space: str = "inbox") -> dict[str, Any]:
+    return {"seq": seq, "op": "del", "scope": S, "space": space, "key": key, "version": version}
 
 
 def del_line(seq: int, key: str, version: int, space: str = "inbox") -> bytes:
-    """An append-log delete entry written by hand (version 2: framed)."""
-    return frame(_js({"seq": seq, "op": "del", "scope": S, "space": space, "key": key, "version": version}))
+    """An append-log commit of one delete entry, written by hand (log version 3)."""
+    return frame(b"[" + _js(del_entry(seq, key, version, space)) + b"]")
+
+
+def commit_line(*entries: dict[str, Any]) -> bytes:
+    """An append-log commit of several entries, written by hand (log version 3)."""
+    return frame(_js(list(entries)))
+
+
+def put_line_v2(
+    seq: int, key: str, version: int, value: dict[str, Any], due: float | None = None, space: str = "inbox"
+) -> bytes:
+    """A log-version-2 line (earlier releases: one framed entry per line, no array)."""
+    return frame(_js(put_entry(seq, key, version, value, due, space)))
 
 
 # Version 1 (the format of earlier releases: one JSON snapshot document, bare JSON log
@@ -724,10 +742,20 @@ def _replace_line(log: bytes, index: int, new: bytes | None) -> bytes:
 
 
 def _edit_entry(log: bytes, index: int, **changes: Any) -> bytes:
-    """The log with entry line ``index`` edited and framed again (right checksum)."""
+    """The log with the (first) entry of commit line ``index`` edited and framed again
+    (right checksum)."""
     lines = log.splitlines(keepends=True)
-    entry = json.loads(unframe(lines[index])[0])
-    entry.update(changes)
+    commit = json.loads(unframe(lines[index])[0])
+    commit[0].update(changes)
+    lines[index] = frame(_js(commit))
+    return b"".join(lines)
+
+
+def _unwrap(log: bytes, index: int) -> bytes:
+    """The log with commit line ``index`` written as log version 2 wrote an entry: the
+    entry object itself, not in an array (right checksum)."""
+    lines = log.splitlines(keepends=True)
+    (entry,) = json.loads(unframe(lines[index])[0])
     lines[index] = frame(_js(entry))
     return b"".join(lines)
 
@@ -772,6 +800,9 @@ LOG_DAMAGE: dict[str, tuple[Callable[[bytes], bytes], int]] = {
     "not-an-entry-last-line": (lambda log: _edit_entry(log, 3, op="zap"), 4),
     "extra-field": (lambda log: _edit_entry(log, 3, extra=True), 4),
     "not-an-entry-middle": (lambda log: _replace_line(log, 2, frame(b"[1,2]")), 3),
+    "entry-not-in-a-commit": (lambda log: _unwrap(log, 2), 3),
+    "last-entry-not-in-a-commit": (lambda log: _unwrap(log, 3), 4),
+    "empty-commit": (lambda log: _replace_line(log, 2, frame(b"[]")), 3),
     "nan-due": (lambda log: _edit_payload(log, 3, b'"due":3.0', b'"due":NaN'), 4),
     "400-digit-due": (lambda log: _edit_payload(log, 3, b'"due":3.0', b'"due":3' + b"0" * 400), 4),
     "infinite-due": (lambda log: _edit_payload(log, 3, b'"due":3.0', b'"due":1e400'), 4),
@@ -967,6 +998,56 @@ def test_a_version_1_journal_is_migrated_at_open(
         again = await opened(path)
         found = await dump(again)
         assert found[f"{S}/inbox"]["records"][:2] == expected[f"{S}/inbox"]["records"]
+        await again.close()
+
+    run(main())
+
+
+@pytest.mark.spec("BACK-4", "BACK-5")
+@pytest.mark.parametrize("append_log", [False, True], ids=["snapshot", "append-log"])
+@pytest.mark.parametrize("tail", ["whole", "torn-final-line", "folded-already"])
+def test_a_version_2_log_is_folded_and_restarted_in_version_3_at_open(
+    tmp_path: Path, append_log: bool, tail: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 16: a log of the release before (log version 2: one framed entry per line,
+    no array), left by a crash, opens with exactly its entries — a torn final line cut,
+    entries the snapshot already holds skipped — and that open folds it into the
+    snapshot and restarts the log in version 3 (or removes it), with a warning naming
+    the file: nothing is ever appended to a version-2 log, whose reader would take a
+    commit line for damage."""
+    path = tmp_path / "j.json"
+    log = Path(str(path) + ".log")
+    path.write_bytes(snapshot_text(2, [[S, "inbox", "a", 2, None, None, {"n": "a2"}]]))
+    lines = [put_line_v2(1, "a", 1, {"n": "a1"}), put_line_v2(2, "a", 2, {"n": "a2"})]
+    if tail != "folded-already":
+        lines += [put_line_v2(3, "b", 1, {"n": "b1"}, due=4.0), put_line_v2(4, "a", 3, {"n": "a3"})]
+    data = LOG_HEADER_V2 + b"".join(lines)
+    if tail == "torn-final-line":
+        data += put_line_v2(5, "c", 1, {"n": "c1"})[:25]
+    log.write_bytes(data)
+    if tail == "folded-already":
+        want = [("a", {"n": "a2"}, 2)]
+    else:
+        want = [("a", {"n": "a3"}, 3), ("b", {"n": "b1"}, 1)]
+    last_seq = 2 if tail == "folded-already" else 4
+
+    async def main() -> None:
+        with caplog.at_level(logging.WARNING, logger="botmesh.core.file_backend"):
+            kv = await opened(path, append_log=append_log)
+        assert "format version 2" in caplog.text and str(path.resolve()) in caplog.text
+        assert (await dump(kv))[f"{S}/inbox"]["records"] == want
+        assert read_snapshot(path)["log_seq"] == last_seq
+        if append_log:
+            assert log.read_bytes() == LOG_HEADER
+            await kv.put(S, "inbox", "c", {"n": "c"}, expected_version=0)
+            assert [e["seq"] for e in log_lines(path)] == [last_seq + 1]
+            kv.abandon()  # a crash: the next open replays the version-3 log
+        else:
+            assert not log.exists()
+            await kv.close()
+        again = await opened(path, append_log=append_log)
+        got = (await dump(again))[f"{S}/inbox"]["records"]
+        assert got == sorted(want + ([("c", {"n": "c"}, 1)] if append_log else []))
         await again.close()
 
     run(main())

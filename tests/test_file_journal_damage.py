@@ -212,9 +212,19 @@ def _read(path: Path) -> bytes | None:
     return path.read_bytes() if path.exists() else None
 
 
+def _commit_entries(obj: Any) -> list[dict[str, Any]] | None:
+    """The entries of a decoded log line of version 3 (a commit: a non-empty array of
+    entry objects), else None (a header, a snapshot row or header, damage)."""
+    if isinstance(obj, list) and obj and all(isinstance(e, dict) for e in obj):
+        return obj
+    return None
+
+
 def _v2_seq(line: bytes) -> int | None:
+    """The last seq of a framed line (a commit's last entry), None for a header."""
     obj = json.loads(unframe_line(line))
-    return obj.get("seq")
+    entries = _commit_entries(obj)
+    return entries[-1].get("seq") if entries is not None else obj.get("seq")
 
 
 async def build_bases(directory: Path, seed: int) -> list[Base]:
@@ -272,11 +282,11 @@ def v1_bases(bases: list[Base]) -> list[Base]:
         if base.log is not None:
             entries = []
             for line in base.log.splitlines(keepends=True)[1:]:
-                entry = json.loads(unframe_line(line))
-                for k in ("due", "expires"):
-                    if entry.get(k) in ("inf", "-inf"):
-                        entry[k] = INF if entry[k] == "inf" else -INF
-                entries.append(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+                for entry in json.loads(unframe_line(line)):  # a commit's entries
+                    for k in ("due", "expires"):
+                        if entry.get(k) in ("inf", "-inf"):
+                            entry[k] = INF if entry[k] == "inf" else -INF
+                    entries.append(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
             log = b"".join(entries)
         v1 = Base(base.name + "/v1", snapshot, log, base.states, base.log_seq, 1,
                   all_prefixes_valid=base.all_prefixes_valid)
@@ -308,7 +318,8 @@ def _wrong_shapes(rng: random.Random, line: bytes) -> bytes:
     except (ValueError, AssertionError, RecursionError):
         obj = None
     plain = [b"[]", b"{}", b"null", b"1", b'"x"', b"[1,2]", b"true", b"{" * 3 + b"}" * 3]
-    if isinstance(obj, dict) and obj:
+
+    def edited_object(obj: dict[str, Any]) -> dict[str, Any]:
         key = rng.choice(sorted(obj))
         bad = rng.choice(
             ["drop", "extra", 0, -1, 1.5, True, "3", None, [], {"x": 1}, 2**63, -(2**63), "zap", 10**19]
@@ -320,7 +331,19 @@ def _wrong_shapes(rng: random.Random, line: bytes) -> bytes:
             edited["surplus"] = 1  # a field the format does not have
         else:
             edited[key] = bad
-        return js(edited)
+        return edited
+
+    if isinstance(obj, dict) and obj:
+        return js(edited_object(obj))
+    commit = _commit_entries(obj)
+    if commit is not None:  # a log commit (version 3): one entry edited, or the array itself wrong
+        choice = rng.randrange(6)
+        if choice == 0:
+            return js(commit[0])  # an entry not in an array (a version-2 line in a version-3 log)
+        if choice == 1:
+            return b"[]"
+        i = rng.randrange(len(commit))
+        return js(commit[:i] + [edited_object(commit[i])] + commit[i + 1:])
     if isinstance(obj, list) and obj:
         edited_list = list(obj)
         choice = rng.randrange(5)
@@ -377,13 +400,18 @@ def _bad_number_payload(rng: random.Random, line: bytes) -> bytes | None:
     except (ValueError, AssertionError, RecursionError):
         return None
     fields: list[Any] = []
-    if isinstance(obj, dict):
+    target = obj
+    commit = _commit_entries(obj)
+    if commit is not None:  # a log commit (version 3): a field of one of its entries
+        target = rng.choice(commit)
+        fields = [k for k in _NUMERIC_FIELDS if k in target]
+    elif isinstance(obj, dict):
         fields = [k for k in _NUMERIC_FIELDS if k in obj]
     elif isinstance(obj, list) and len(obj) == 7:
         fields = [3, 4, 5]
     if fields and rng.random() < 0.6:
         name = rng.choice(fields)
-        obj[name] = "@BAD@"
+        target[name] = "@BAD@"
         bad = rng.choice(BAD_AS_SCORE_OR_COUNTER if name in ("due", "expires", 4, 5) else BAD_AS_COUNTER)
         return js(obj).replace(b'"@BAD@"', bad)
     # any number or null, at any depth (found in the parsed JSON, so never inside a string)

@@ -37,11 +37,11 @@ class CountingIO(FileIO):
     failing them with ``EIO`` after writing while ``fail`` is set (a failed fsync)."""
 
     def __init__(self) -> None:
-        self.appends: list[int] = []  # lines per append
+        self.appends: list[int] = []  # log entries per append
         self.fail = False
 
     def append(self, fd: int, data: bytes, *, fsync: bool) -> None:
-        self.appends.append(data.count(b"\n"))
+        self.appends.append(data.count(b'"seq":'))
         if self.fail:
             self._write_all(fd, data)  # the bytes reached the file, the fsync failed
             raise OSError(errno.EIO, "Input/output error (injected fsync failure)")
@@ -82,7 +82,7 @@ async def test_concurrent_writes_of_eight_tasks_share_one_append_and_fsync(tmp_p
     io.appends.clear()  # the header written at open
     versions = await asyncio.gather(*(kv.put(S, SP, f"chat-{i}", {"i": i}, expected_version=0) for i in range(8)))
     assert versions == [1] * 8
-    assert io.appends == [8], "eight concurrent writes should go out as one append of eight lines"
+    assert io.appends == [8], "eight concurrent writes should go out as one append of eight entries"
     kv.abandon()  # as if the process died: only what is on file counts
     again = FileKv(tmp_path / "journal.json", append_log=True)
     await again.open()
@@ -268,7 +268,7 @@ class CutDuringGroup(PowerCutIO):
     states: list[Any]
 
     def append(self, fd: int, data: bytes, *, fsync: bool) -> None:
-        if self.armed and data.count(b"\n") > 1:
+        if self.armed and data.count(b'"seq":') > 1:
             self.armed = False
             super().append(fd, data, fsync=False)
             self.states = list(self.crash_states(subsets=16, seed="group", torn=True))
@@ -443,9 +443,9 @@ async def test_power_cuts_during_a_groups_fsync_on_the_fuse_layer_lose_nothing_a
     ~600 bytes each form one group, its fsync is held, the power is cut (``mode``, 6
     seeds in turn), the held fsync fails. Nothing of the group is acknowledged; the
     journal reopens every time with every acknowledged write, and each write of the
-    group whole or not at all — also when the cut kept a later page of an append
-    without an earlier one (a hole of zeros: the group's appends are cut at page
-    boundaries so that such a hole only ever damages the final line, a torn write)."""
+    group whole or not at all — also when the cut kept a later page of the append
+    without an earlier one (a hole of zeros: the group is one line of the log, so such
+    a hole only ever damages the final line, a torn write)."""
     import threading
 
     from conftest import require_fuse
@@ -514,7 +514,7 @@ async def test_power_cuts_during_a_groups_fsync_on_the_fuse_layer_lose_nothing_a
         mount.unmount()
 
 
-# -- how a group's lines are cut into writes ------------------------------------------------------------
+# -- a group is one line: one write, one fsync -------------------------------------------------------
 class RecordingIO(CountingIO):
     """CountingIO that also records where each append started and how long it was."""
 
@@ -528,28 +528,20 @@ class RecordingIO(CountingIO):
 
 
 @pytest.mark.spec("BACK-4", "BACK-5", "BACK-6")
-async def test_a_group_goes_out_in_writes_crossing_at_most_one_page_boundary_inside_their_last_line(
-    tmp_path: Path,
-) -> None:
-    """Each append of a group ends with the first line that reaches the next 4 KiB
-    boundary of the log, so a power cut keeping a later page of it and losing an earlier
-    one can only damage its last line (a torn final line, trimmed) — never leave a hole
-    before complete lines (corruption, BACK-5). The group still shares its fsyncs: far
-    fewer appends than writes."""
-    page = 4096
+async def test_a_group_spanning_many_pages_goes_out_as_one_line_by_one_write(tmp_path: Path) -> None:
+    """Sixteen concurrent writes of ~900 bytes each (a group spanning four 4 KiB pages
+    of the log) are one append — one write, one fsync — of one log line (log version 3,
+    a commit); the journal reopens with all sixteen."""
     io = RecordingIO()
     kv = FileKv(tmp_path / "journal.json", append_log=True, io=io)
     await kv.open()
     io.spans.clear()
     io.appends.clear()
     await asyncio.gather(*(kv.put(S, SP, f"k{i}", {"pad": "p" * 900}, expected_version=0) for i in range(16)))
-    assert sum(io.appends) == 16 and 1 < len(io.appends) <= 6, io.appends
+    assert io.appends == [16], io.appends
+    ((offset, length),) = io.spans
     data = (tmp_path / "journal.json.log").read_bytes()
-    for offset, length in io.spans:
-        end = offset + length
-        crossings = [b for b in range((offset // page + 1) * page, end, page)]
-        last_line_start = data.rfind(b"\n", offset, end - 1) + 1
-        assert len(crossings) <= 1 and all(b >= last_line_start for b in crossings), (offset, length, crossings)
+    assert length > 3 * 4096 and data[offset:].count(b"\n") == 1 and data.endswith(b"\n")
     kv.abandon()
     again = FileKv(tmp_path / "journal.json", append_log=True)
     await again.open()
@@ -557,25 +549,47 @@ async def test_a_group_goes_out_in_writes_crossing_at_most_one_page_boundary_ins
     await again.close()
 
 
-@pytest.mark.spec("BACK-5")
-def test_a_hole_before_complete_lines_is_still_corruption() -> None:
-    """What the page-cut writes avoid: zeros up to a sector boundary followed by more
-    complete entries is refused (BACK-5: a bad line in the middle followed by more
-    entries), unlike the same hole in the final line, which is a torn write."""
-    from botmesh.core.errors import JournalCorruptError
-    from botmesh.core.file_format import LOG_HEADER, SECTOR, log_line, scan_log
+def _commits(first_seq: int, count: int, per_commit: int, pad: int) -> list[bytes]:
+    from botmesh.core.file_format import log_commit, log_entry
 
-    lines = [log_line(n, "put", S, SP, f"k{n}", 1, ({"n": "x" * 200}, 1, None, None)) for n in range(1, 13)]
-    data = LOG_HEADER + b"".join(lines)
-    start = len(LOG_HEADER) + sum(map(len, lines[:3]))
-    sector = ((start + len(lines[3])) // SECTOR + 1) * SECTOR
-    assert data.count(b"\n", sector) >= 3
+    lines, seq = [], first_seq
+    for _ in range(count):
+        entries = []
+        for _ in range(per_commit):
+            entries.append(log_entry(seq, "put", S, SP, f"k{seq}", 1, ({"n": "x" * pad}, 1, None, None)))
+            seq += 1
+        lines.append(log_commit(entries))
+    return lines
+
+
+@pytest.mark.spec("BACK-5")
+def test_a_hole_in_the_final_commit_cuts_that_whole_commit_and_a_hole_before_it_is_corruption() -> None:
+    """What one line per commit buys: a power cut that keeps some pages of a group's one
+    unsynced write and loses others (sector-aligned zeros anywhere in it, the rest of it
+    complete) damages the log's final line only, which is trimmed as a torn write — all
+    of that commit's entries, none of the earlier ones. The same hole before complete
+    later lines is refused (BACK-5: a bad line followed by more entries)."""
+    from botmesh.core.errors import JournalCorruptError
+    from botmesh.core.file_format import LOG_HEADER, SECTOR, scan_log
+
+    earlier = _commits(1, 6, 1, 200)
+    final = _commits(7, 1, 12, 700)[0]  # one commit of 12 entries, ~9 KiB
+    data = LOG_HEADER + b"".join(earlier) + final
+    start = len(data) - len(final)
+    first_sector = (start // SECTOR + 1) * SECTOR
+    holes = [(start, first_sector)]  # the write's first (partly filled) page lost
+    holes += [(b, b + SECTOR) for b in range(first_sector, len(data) - SECTOR, 8 * SECTOR)]  # later pages
+    assert len(holes) >= 3
+    for a, b in holes:
+        scan = scan_log(data[:a] + b"\0" * (b - a) + data[b:], "j.log")
+        assert [e.seq for e in scan.entries] == list(range(1, 7)) and scan.good == start, (a, b)
+    # the same hole in the commit before the final one is damage in the middle
+    before = start - len(earlier[-1])
+    sector = (before // SECTOR + 1) * SECTOR
+    assert before < sector < start
     with pytest.raises(JournalCorruptError) as info:
-        scan_log(data[:start] + b"\0" * (sector - start) + data[sector:], "j.log")
-    assert info.value.code == "APPEND_LOG_CORRUPT"
-    last = len(data) - len(lines[-1])
-    scan = scan_log(data[:last] + b"\0" * (SECTOR - last % SECTOR) + data[last + SECTOR - last % SECTOR:], "j.log")
-    assert [e.seq for e in scan.entries] == list(range(1, 12))
+        scan_log(data[:sector] + b"\0" * SECTOR + data[sector + SECTOR:], "j.log")
+    assert info.value.code == "APPEND_LOG_CORRUPT" and info.value.line == 7  # type: ignore[attr-defined]
 
 
 # -- a crash of the bot inside a group (crashable) -------------------------------------------------------

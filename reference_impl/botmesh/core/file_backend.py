@@ -22,16 +22,15 @@ Writes (BACK-4, BACK-6):
   (``SNAPSHOT_CORRUPT``): the rename is atomic only against a process crash. So a
   journal opened with ``fsync=False`` does not claim ``survives_crash``.
 * **Group commit**: writes made at the same moment by different tasks (different
-  chats) share one append of all their lines and one fsync — or one snapshot rewrite
-  without the append log (:mod:`botmesh.core.group_commit`). Each is acknowledged only
-  once that one fsync returned; a failed append or fsync fails every write of the group.
-  Writes of one key never share a group: a compare-and-set waits for the key's write in
-  flight to settle and is checked against durable state. The group's lines are
-  appended in writes cut at 4 KiB page boundaries, each fsynced before the next is
-  written (usually one or two per group): the pages of one unsynced write may reach the
-  disk in any order, and a write that crosses at most one page boundary, inside its last
-  line, can only leave a torn *final* line — trimmed at open (BACK-5) — never a hole
-  before complete lines, which would have to be refused as corruption.
+  chats) share one append and one fsync — or one snapshot rewrite without the append
+  log (:mod:`botmesh.core.group_commit`). Each is acknowledged only once that one fsync
+  returned; a failed append or fsync fails every write of the group. Writes of one key
+  never share a group: a compare-and-set waits for the key's write in flight to settle
+  and is checked against durable state. A group is one line of the log (a *commit*,
+  log version 3), appended by one write: the pages of an unsynced write may reach the
+  disk in any order, and whatever a power cut leaves of them damages only the log's
+  final line, which is trimmed at open as a torn write (BACK-5) — all of that group or
+  none of it.
 * A write reaches the file before it reaches memory: a write that raised
   ``BackendUnavailableError`` left memory unchanged and, when the file could be put back
   (a failed append is truncated away), the file too. When the file cannot be put back
@@ -42,7 +41,7 @@ Writes (BACK-4, BACK-6):
 Open (BACK-4, BACK-5): the snapshot is read, then a leftover log is replayed — always,
 also without ``append_log`` (it is then folded into the snapshot and removed). Every line
 of both files carries its length and a CRC-32, the snapshot its record count and a
-checksum of the whole file (the format, version 2, and its reading rules are in
+checksum of the whole file (the format — snapshot version 2, log version 3 — and its reading rules are in
 :mod:`botmesh.core.file_format`). Damage is reported as
 :class:`~botmesh.core.errors.JournalCorruptError` naming the file, the line and the byte,
 before anything is applied or any file is touched; nothing else escapes ``open()`` for
@@ -60,7 +59,8 @@ what a file contains:
   left as it is;
 * a file in a format version this release does not read: ``code
   "JOURNAL_VERSION_UNSUPPORTED"`` naming the version. A journal in version 1 (earlier
-  releases: no checksums) is read and rewritten in version 2 by the open.
+  releases: no checksums), or a log in version 2 (one line per entry), is read and
+  rewritten in the current version by the open.
 
 Locking (BACK table): ``<path>.lock`` rejects a second live process; a second ``open()``
 of the same (resolved) path in this process is rejected until ``close()``. A lock whose

@@ -6,8 +6,8 @@ does the I/O. A damaged file raises :class:`~botmesh.core.errors.JournalCorruptE
 the format's description, its writer and its reader (with every damage it refuses) stay
 in one file, each rule beside the code that applies it.
 
-Format version 2 (this release writes it; it reads versions 1 and 2)
-=====================================================================
+Format version 2, append log version 3 (this release writes them; it reads versions 1-3)
+========================================================================================
 
 Both files are ASCII text made of **framed lines**. A framed line is::
 
@@ -38,21 +38,34 @@ the rename and the directory after it), so any damage to it is corruption: it ha
 tail.
 
 ``<path>.log`` — the **append log** (only with ``append_log=True``, or a leftover of such
-a run). The first line is the header ``{"format":"botmesh.file_kv.log","version":2}``,
-then one line per committed write::
+a run). The first line is the header ``{"format":"botmesh.file_kv.log","version":3}``,
+then one line per **commit**: the writes of one group (:mod:`botmesh.core.group_commit`,
+one write or several of different records that went to disk together), as a JSON array
+of entries::
 
-    {"seq":43,"op":"put","scope":..,"space":..,"key":..,"version":3,"due":..,"expires":..,"value":{..}}
-    {"seq":44,"op":"del","scope":..,"space":..,"key":..,"version":3}
+    [{"seq":43,"op":"put","scope":..,"space":..,"key":..,"version":3,"due":..,"expires":..,"value":{..}}]
+    [{"seq":44,"op":"del","scope":..,"space":..,"key":..,"version":3},{"seq":45,"op":"put",..}]
 
 ``version`` is the version the put created, or the version the delete removed. ``seq``
-grows by one per entry and never restarts (it continues from ``log_seq``). Compaction
-truncates the log back to its header.
+grows by one per entry, across lines, and never restarts (it continues from
+``log_seq``). Compaction truncates the log back to its header.
+
+Why one line per commit (log version 3; version 2 had one line per entry): a commit is
+appended by one write and forced by one fsync, and the pages of one unsynced write may
+reach the disk in any order, so a power cut may keep a later page of it and lose an
+earlier one. Damage of that kind can only ever fall in the log's *final line*, which
+the reader trims as a torn write (below); with one line per entry the hole could come
+before complete later entries of the same commit, which no reader may tell from damage
+in the middle of the log — so version 2 had to cut a commit into writes at page
+boundaries, each with its own fsync. A commit is also all or nothing at recovery.
 
 ``<path>.lock`` — the owner's pid; the owner also holds a ``flock`` on it while open.
 
 The header's framing is the one thing every later version keeps: a file whose first line
 is a framed header naming a ``version`` this release does not know is refused with code
-``JOURNAL_VERSION_UNSUPPORTED`` naming that version.
+``JOURNAL_VERSION_UNSUPPORTED`` naming that version. (So a release before log version 3
+refuses a log this release left behind after a crash, and still reads the snapshot a
+clean ``close()`` leaves, which has no log.)
 
 Reading (BACK-5)
 ================
@@ -79,6 +92,8 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
   the rewrite of the partly filled page before them). An fsync writes both pages, so
   such a line was never acknowledged: it is cut off like any torn write (BACK-5: a
   half-written *last* line is trimmed).
+* A torn final line of log version 3 is a whole commit none of whose writes was
+  acknowledged: all its entries are cut off together, however many pages it spans.
 * **Every other complete line** (one ending in a newline) must have the right length and
   checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
   the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write (one flipped bit
@@ -94,6 +109,15 @@ The one change a format of this kind cannot see: a log cut *exactly* at the end 
 (or its last lines deleted) is a valid log of an earlier moment. Only an outside record of
 how far the log went could tell, and the log exists so that no other file is written per
 write.
+
+Log version 2 (written by earlier releases): a migration
+=========================================================
+
+A version-2 log has the version-2 header and one framed line per entry (the entry
+objects above, not in an array); it is read with the same rules, line by line. A log of
+version 2 (or 1) found at open is folded into the snapshot and emptied to the
+version-3 header by the open that read it, after everything was read, and a warning
+names the file: this release never appends commits to a log of another version.
 
 Version 1 (written by earlier releases): a migration
 =====================================================
@@ -126,7 +150,9 @@ __all__ = [
     "FORMAT_VERSION",
     "LOG_FORMAT",
     "LOG_HEADER",
+    "LOG_VERSION",
     "MAX_VALUE_DEPTH",
+    "READABLE_LOG_VERSIONS",
     "READABLE_VERSIONS",
     "SNAPSHOT_FORMAT",
     "Entry",
@@ -139,7 +165,8 @@ __all__ = [
     "frame",
     "is_int",
     "is_score",
-    "log_line",
+    "log_commit",
+    "log_entry",
     "parse_snapshot",
     "replay",
     "scan_log",
@@ -153,9 +180,13 @@ SNAPSHOT_FORMAT = "botmesh.file_kv"
 LOG_FORMAT = "botmesh.file_kv.log"
 """The ``format`` field of an append log's header."""
 FORMAT_VERSION = 2
-"""The format version this release writes."""
+"""The snapshot's format version this release writes."""
 READABLE_VERSIONS = (1, 2)
-"""The format versions this release reads (version 1 is migrated at open)."""
+"""The snapshot format versions this release reads (version 1 is migrated at open)."""
+LOG_VERSION = 3
+"""The append log's format version this release writes (one line per commit)."""
+READABLE_LOG_VERSIONS = (1, 2, 3)
+"""The append log versions this release reads (1 and 2 are migrated at open)."""
 MAX_VALUE_DEPTH = 128
 """How deep a stored value may nest (a flat object is depth 1). Deeper values are refused
 by ``FileKv.put`` with ``ValueError``, and a line nesting deeper is damage: the reader
@@ -317,7 +348,7 @@ def snapshot_bytes(
     return body + frame(trailer)
 
 
-def log_line(
+def log_entry(
     seq: int,
     op: str,
     scope: str,
@@ -326,21 +357,29 @@ def log_line(
     version: int,
     entry: Entry | None,
     encoded_value: str | None = None,
-) -> bytes:
-    """One framed append-log line, newline included. ``encoded_value`` is the value as
-    :func:`encode_value` returned it (computed from ``entry`` when not given)."""
+) -> str:
+    """One append-log entry as JSON text (an element of a commit's line,
+    :func:`log_commit`). ``encoded_value`` is the value as :func:`encode_value` returned
+    it (computed from ``entry`` when not given)."""
     obj: dict[str, Any] = {"seq": seq, "op": op, "scope": scope, "space": space, "key": key, "version": version}
     if entry is None:
-        return frame(_dumps(obj).encode("ascii"))
+        return _dumps(obj)
     obj["due"] = _score_out(entry[2])
     obj["expires"] = _score_out(entry[3])
     if encoded_value is None:
         encoded_value = encode_value(entry[0], f"{scope}/{space}/{key}")
-    return frame((_dumps(obj)[:-1] + ',"value":' + encoded_value + "}").encode("ascii"))
+    return _dumps(obj)[:-1] + ',"value":' + encoded_value + "}"
 
 
-LOG_HEADER = frame(('{"format":"' + LOG_FORMAT + '","version":' + str(FORMAT_VERSION) + "}").encode("ascii"))
-"""The first line of every version-2 append log, framed."""
+def log_commit(entries: list[str]) -> bytes:
+    """The framed log line (newline included) of one commit: ``entries``
+    (:func:`log_entry` texts, one or more, in seq order) as a JSON array."""
+    return frame(("[" + ",".join(entries) + "]").encode("ascii"))
+
+
+LOG_HEADER = frame(('{"format":"' + LOG_FORMAT + '","version":' + str(LOG_VERSION) + "}").encode("ascii"))
+"""The first line of every append log this release writes (version 3), framed."""
+_LOG_HEADER_V2 = frame(('{"format":"' + LOG_FORMAT + '","version":2}').encode("ascii"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -370,10 +409,10 @@ def _corrupt_log(path: str, line: int, byte: int, reason: str) -> NoReturn:
     )
 
 
-def _unsupported(path: str, version: object, what: str) -> NoReturn:
+def _unsupported(path: str, version: object, what: str, readable: tuple[int, ...]) -> NoReturn:
     raise JournalCorruptError(
         f"{path}: {what} is in format version {version!r}, which this release of botmesh does not read "
-        f"(it reads versions {', '.join(map(str, READABLE_VERSIONS))}); it was probably written by a newer "
+        f"(it reads versions {', '.join(map(str, readable))}); it was probably written by a newer "
         "release — open it with that release. No file was changed",
         code="JOURNAL_VERSION_UNSUPPORTED",
         file=path,
@@ -537,15 +576,18 @@ def _row_to_entry(row: Any, v1: bool) -> tuple[tuple[str, str, str], Entry] | st
 _SNAPSHOT_KEYS = frozenset({"format", "version", "log_seq", "records"})
 
 
-def _check_header(obj: Any, fmt: str, path: str, what: str, keys: frozenset[str]) -> str | None:
+def _check_header(
+    obj: Any, fmt: str, path: str, what: str, keys: frozenset[str], readable: tuple[int, ...]
+) -> str | None:
     """Refuse a header of another format (reason returned) or of an unknown version
-    (raised); None when it is a version-2 header with exactly ``keys``."""
+    (raised); None when it is a framed header (version 2 or later) of a version in
+    ``readable`` with exactly ``keys``."""
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         return f"not a {fmt} header"
     version = obj.get("version")
-    if not is_int(version) or version != FORMAT_VERSION:
-        if is_int(version) and version > FORMAT_VERSION:
-            _unsupported(path, version, what)
+    if not is_int(version) or version < 2 or version not in readable:
+        if is_int(version) and version > max(readable):
+            _unsupported(path, version, what, readable)
         return f"bad version {str(version)[:40]} in a framed header"
     if set(obj) != keys:
         return "unexpected fields in the header"
@@ -564,7 +606,7 @@ def parse_snapshot(data: bytes, path: str) -> Snapshot:
         _corrupt_snapshot(path, 1, 0, reason or f"not a {SNAPSHOT_FORMAT} snapshot")
     header, reason = _decode(payload, 2)
     if reason is None:
-        reason = _check_header(header, SNAPSHOT_FORMAT, path, "the snapshot", _SNAPSHOT_KEYS)
+        reason = _check_header(header, SNAPSHOT_FORMAT, path, "the snapshot", _SNAPSHOT_KEYS, READABLE_VERSIONS)
     if reason is not None:
         _corrupt_snapshot(path, 1, 0, reason)
     log_seq, count = header["log_seq"], header["records"]
@@ -622,7 +664,7 @@ def _parse_snapshot_v1(data: bytes, path: str) -> Snapshot:
     version = doc.get("version")
     if not is_int(version) or version != 1:
         if is_int(version) and version > FORMAT_VERSION:
-            _unsupported(path, version, "the snapshot")
+            _unsupported(path, version, "the snapshot", READABLE_VERSIONS)
         _corrupt_snapshot(path, 1, 0, f"unsupported snapshot version {str(version)[:40]}")
     if set(doc) != _SNAPSHOT_KEYS:
         _corrupt_snapshot(path, 1, 0, "unexpected fields in a version-1 snapshot")
@@ -711,7 +753,7 @@ def _lost_sectors(data: bytes, start: int) -> bool:
 
 
 def scan_log(data: bytes, path: str) -> LogScan:
-    """The entries of a log file (version 2, or 1) and the length of its good prefix.
+    """The entries of a log file (version 3, 2 or 1) and the length of its good prefix.
     Raises ``APPEND_LOG_CORRUPT`` for damage that is not a torn final line."""
     if data[:1] == b"{":
         return _scan_log_v1(data, path)
@@ -720,14 +762,23 @@ def scan_log(data: bytes, path: str) -> LogScan:
         if reason is not None:
             _corrupt_log(path, 1, 0, reason)
         return LogScan([], 0, 0, None)  # a torn header: no entry was ever written after it
-    if data[:pos] != LOG_HEADER:
+    head = data[:pos]
+    if head == LOG_HEADER:
+        version = LOG_VERSION
+    elif head == _LOG_HEADER_V2:
+        version = 2
+    else:
         header, reason = _decode(payload, 1)
         if reason is None:
-            reason = _check_header(header, LOG_FORMAT, path, "the append log", _LOG_KEYS) or "not the log header"
+            reason = _check_header(
+                header, LOG_FORMAT, path, "the append log", _LOG_KEYS, READABLE_LOG_VERSIONS
+            ) or "not the log header"
         _corrupt_log(path, 1, 0, reason)
     header_end = pos
     entries: list[LogEntry] = []
     line = 1
+    # a commit's line is one level deeper than an entry's: the array around its entries
+    depth = MAX_VALUE_DEPTH + (2 if version == LOG_VERSION else 1)
     while pos < len(data):
         line += 1
         start = pos
@@ -735,13 +786,22 @@ def scan_log(data: bytes, path: str) -> LogScan:
         if payload is None:
             if reason is not None and not _lost_sectors(data, start):
                 _corrupt_log(path, line, start, reason)
-            return LogScan(entries, start, header_end, FORMAT_VERSION)  # torn final line
-        obj, reason = _decode(payload, MAX_VALUE_DEPTH + 1)
-        entry = _parse_entry(obj, line, start, v1=False) if reason is None else reason
-        if isinstance(entry, str):
-            _corrupt_log(path, line, start, entry)
-        entries.append(entry)
-    return LogScan(entries, len(data), header_end, FORMAT_VERSION)
+            return LogScan(entries, start, header_end, version)  # torn final line
+        obj, reason = _decode(payload, depth)
+        if reason is not None:
+            _corrupt_log(path, line, start, reason)
+        if version == 2:
+            objs = [obj]
+        elif isinstance(obj, list) and obj:
+            objs = obj
+        else:
+            _corrupt_log(path, line, start, "not a commit (a JSON array of one or more log entries)")
+        for n, item in enumerate(objs, 1):
+            entry = _parse_entry(item, line, start, v1=False)
+            if isinstance(entry, str):
+                _corrupt_log(path, line, start, entry if version == 2 else f"entry {n} of the commit: {entry}")
+            entries.append(entry)
+    return LogScan(entries, len(data), header_end, version)
 
 
 def _scan_log_v1(data: bytes, path: str) -> LogScan:

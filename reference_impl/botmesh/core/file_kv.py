@@ -17,13 +17,15 @@ from .errors import BackendUnavailableError, ConfigError, JournalLockedError, Ve
 from .file_format import (
     FORMAT_VERSION,
     LOG_HEADER,
+    LOG_VERSION,
     Entry,
     Records,
     SnapshotLines,
     ValueTexts,
     encode_value,
     is_int,
-    log_line,
+    log_commit,
+    log_entry,
     parse_snapshot,
     replay,
     scan_log,
@@ -70,36 +72,6 @@ class _SnapshotWriteFailed(Exception):
         super().__init__(str(cause))
         self.cause = cause
         self.landed = landed
-
-
-PAGE_BYTES = 4096
-"""The page size the log's writes are cut at (group commit: see :func:`_page_writes`)."""
-
-
-def _page_writes(lines: list[bytes], offset: int) -> list[bytes]:
-    """The ``lines`` of a group, to be appended at ``offset``, as writes that each end with
-    the first line reaching the next page boundary (:data:`PAGE_BYTES`) — each fsync'ed
-    before the next is written. Why: the pages of one unsynced write may reach the disk
-    in any order, so a power cut can keep a later page and lose an earlier one (a hole of
-    zeros). A write that crosses at most one page boundary, inside its last line, can
-    only lose lines up to that last one: the hole and the rest of the write are then the
-    log's final line, which the reader trims as a torn write (file_format, BACK-5). A
-    write crossing more boundaries could leave a hole before *complete* later lines,
-    which the reader must refuse as corruption (a bad line followed by more entries)."""
-    writes: list[bytes] = []
-    current: list[bytes] = []
-    pos = offset
-    boundary = (offset // PAGE_BYTES + 1) * PAGE_BYTES
-    for line in lines:
-        current.append(line)
-        pos += len(line)
-        if pos >= boundary:
-            writes.append(b"".join(current))
-            current = []
-            boundary = (pos // PAGE_BYTES + 1) * PAGE_BYTES
-    if current:
-        writes.append(b"".join(current))
-    return writes
 
 
 def _parse_pid(text: str | None) -> int | None:
@@ -421,19 +393,20 @@ class FileKv(DurableKv):
             self._commit_to_snapshot(changes)
         return [change.version for change in changes]
 
-    def _append_lines(self, lines: list[bytes]) -> None:
-        """Append ``lines`` (a group's log lines) to the log and count their bytes. Writes
-        cut at page boundaries, each fsync'ed before the next (:func:`_page_writes`): a
-        power cut finds at most one unsynced, and whatever it left of it is a torn final
-        line. Without fsync there is nothing to order: one write. On failure, what part
-        of the group reached the file is cut off again (or the next append would turn it
-        into a damaged line in the middle of the log) and ``BackendUnavailableError`` is
+    def _append_commit(self, entries: list[str]) -> None:
+        """Append one commit — ``entries``, a group's :func:`~botmesh.core.file_format.log_entry`
+        texts — to the log as its one line (:func:`~botmesh.core.file_format.log_commit`),
+        by one write and, with ``fsync``, one fsync, and count its bytes. The write's
+        pages may reach the disk in any order before the fsync returns; whatever a power
+        cut leaves of them is damage of the log's final line, which the reader trims as a
+        torn write (log version 3, :mod:`botmesh.core.file_format`). On failure, what part
+        of it reached the file is cut off again (or the next append would turn it into a
+        damaged line in the middle of the log) and ``BackendUnavailableError`` is
         raised."""
         assert self._log_fd is not None
-        data = b"".join(lines)
+        data = log_commit(entries)
         try:
-            for chunk in _page_writes(lines, self._log_bytes) if self._fsync else [data]:
-                self._io.append(self._log_fd, chunk, fsync=self._fsync)
+            self._io.append(self._log_fd, data, fsync=self._fsync)
         except OSError as exc:
             try:
                 self._io.truncate(self._log_fd, self._log_bytes, fsync=self._fsync)
@@ -447,12 +420,12 @@ class FileKv(DurableKv):
     def _commit_to_log(self, changes: list[_Change]) -> None:
         assert self._log_fd is not None
         seq = self._seq
-        lines = []
+        entries = []
         for c in changes:
             seq += 1
-            lines.append(log_line(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
-                                  c.entry, c.encoded))
-        self._append_lines(lines)
+            entries.append(log_entry(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
+                                     c.entry, c.encoded))
+        self._append_commit(entries)
         self._seq = seq
         self._log_entries += len(changes)
         texts = self._value_texts
@@ -573,13 +546,16 @@ class FileKv(DurableKv):
                     len(log) - scan.good,
                 )
         # A journal of an earlier format is rewritten in the current one (documented in
-        # file_format: "Version 1 ... a migration").
-        migrate = snapshot_version != FORMAT_VERSION or (scan is not None and scan.version == 1)
+        # file_format: "Version 1 ... a migration", "Log version 2 ... a migration").
+        log_version = None if scan is None else scan.version
+        migrate = snapshot_version != FORMAT_VERSION or log_version not in (None, LOG_VERSION)
         # Everything read back: from here on files change.
         try:
             if migrate:
                 logger.warning(
-                    "%s: journal in format version 1, rewriting it in version %d", self._path, FORMAT_VERSION
+                    "%s: journal in format version %s, rewriting it in the current one (snapshot version %d, log "
+                    "version %d)", self._path, snapshot_version if snapshot_version != FORMAT_VERSION else log_version,
+                    FORMAT_VERSION, LOG_VERSION,
                 )
                 self._write_snapshot(records, seq)
             if self._append_log:
@@ -589,7 +565,7 @@ class FileKv(DurableKv):
                 # compaction, so the log holds only entries that follow the snapshot.
                 if migrate or (entries and entries[-1].seq <= log_seq):
                     entries = []
-                    keep = 0 if scan is None or scan.version != FORMAT_VERSION else scan.header_end
+                    keep = 0 if scan is None or scan.version != LOG_VERSION else scan.header_end
                 else:
                     keep = 0 if scan is None else scan.good
                 if log is not None and keep < len(log):

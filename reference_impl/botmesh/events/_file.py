@@ -1,9 +1,9 @@
 """The storage engine of both event journals: :class:`JournalFile`, the project's
 :class:`~botmesh.core.file_kv.FileKv` (its snapshot and append log in the checksummed
-format version 2 of :mod:`botmesh.core.file_format`, its loading, torn-line trimming,
+format of :mod:`botmesh.core.file_format`, its loading, torn-line trimming,
 damage detection, compaction and pid lock) used as a store of records, plus what the
 journals add: a **batch** of changes committed by one write (one snapshot rewrite, or
-one append of several log lines), a count of those writes, and, for the shared journal,
+one append of one log line, a commit), a count of those writes, and, for the shared journal,
 reloading what other processes wrote.
 
 Nothing here is public: :mod:`botmesh.events.journal` is the API.
@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from botmesh.core.errors import BackendUnavailableError
-from botmesh.core.file_format import Entry, Records, encode_value, log_line
+from botmesh.core.file_format import Entry, Records, encode_value, log_entry
 from botmesh.core.file_kv import FileKv, _SnapshotWriteFailed
 from botmesh.core.fileio import FileIO
 
@@ -107,12 +107,12 @@ class JournalFile(FileKv):
     def _commit_lines(self, changes: list[Change]) -> None:
         assert self._log_fd is not None
         seq = self._seq
-        parts: list[bytes] = []
+        parts: list[str] = []
         for scope, space, key, entry, version in changes:
             seq += 1
             encoded = None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}")
-            parts.append(log_line(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded))
-        self._append_lines(parts)  # page-cut appends, undone on failure (FileKv's)
+            parts.append(log_entry(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded))
+        self._append_commit(parts)  # one line, one write and fsync, undone on failure (FileKv's)
         self._seq = seq
         self._log_entries += len(changes)
         for scope, space, key, entry, _ in changes:

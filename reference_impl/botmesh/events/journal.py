@@ -6,7 +6,7 @@ Storage
 =======
 
 Both keep their records in one file in the format of the file durability backend
-(:mod:`botmesh.core.file_format`, version 2: checksummed lines, a snapshot with a record
+(:mod:`botmesh.core.file_format`, snapshot version 2, log version 3: checksummed lines, a snapshot with a record
 count and a file checksum, an optional append log ``<path>.log``) through
 :class:`botmesh.core.file_kv.FileKv`: every guarantee of that backend holds here —
 BACK-4, BACK-5 (a damaged snapshot or a damaged complete log line is refused at open with
@@ -22,7 +22,7 @@ Writes and group commit
 Every operation is a function of the current records that returns its result and the
 records it changes. Operations called concurrently (tasks of one event loop) are queued
 and applied together, in call order, by one flush: **one** snapshot rewrite — or one log
-append holding one line per change — commits all of them, and only then do their calls
+append of one line (a commit) holding every change — commits all of them, and only then do their calls
 return. A flush that cannot write fails every operation in it with
 ``BackendUnavailableError`` (their outcome is then unknown, as for every backend) and
 leaves memory unchanged. Lease heartbeats are writes like any other: we chose not to defer
