@@ -26,7 +26,8 @@ Raw medium, measured in the same run, same directory, interleaved with the bot r
 autocommits with WAL and ``synchronous=FULL``.
 
 Medium operations per message: counted in the timed run itself — the log's fsync'ed
-appends (file+log: a group's lines go out in page-cut appends, one or more per group) or
+appends (file+log: one per group since log version 3, a group being one line; a release
+before it cut a group into page-sized appends, one or more per group) or
 the COMMITs of the kv and of the store (SQLite: the store's message-log writes are
 grouped the same way, in their own transactions). ``medium
 share`` = msg/s x ops/msg / raw ops/s: the share of the wall time the medium operations
@@ -83,8 +84,9 @@ class Run:
 
 
 class CountingIO(FileIO):
-    """The real file system, counting the log appends (each one fsync'ed): a group's lines
-    may go out in more than one (page-cut appends, botmesh.core.file_kv)."""
+    """The real file system, counting the log appends (each one fsync'ed): one per group
+    (a release before log version 3 cut a group into more than one, at page boundaries,
+    which ``--against`` such a release counts)."""
 
     def __init__(self) -> None:
         self.appends = 0
