@@ -6,8 +6,8 @@ does the I/O. A damaged file raises :class:`~botmesh.core.errors.JournalCorruptE
 the format's description, its writer and its reader (with every damage it refuses) stay
 in one file, each rule beside the code that applies it.
 
-Format version 2, append log version 3 (this release writes them; it reads versions 1-3)
-========================================================================================
+Snapshot version 2, append log version 3 (written by this release; it reads snapshots of versions 1-2, logs of 1-3)
+===================================================================================================================
 
 Both files are ASCII text made of **framed lines**. A framed line is::
 
@@ -95,7 +95,8 @@ like any other). Codes: ``SNAPSHOT_CORRUPT``, ``APPEND_LOG_CORRUPT``,
 * A torn final line of log version 3 is a whole commit none of whose writes was
   acknowledged: all its entries are cut off together, however many pages it spans.
 * **Every other complete line** (one ending in a newline) must have the right length and
-  checksum and be a valid entry, wherever it is, the last one included: a flipped bit in
+  checksum and be a valid entry (log version 3: a commit, every entry of it valid),
+  wherever it is, the last one included: a flipped bit in
   the last, acknowledged line is ``APPEND_LOG_CORRUPT``, not a torn write (one flipped bit
   never makes a hole: the line's first byte is a digit, and a run of two NULs needs two
   flips).
