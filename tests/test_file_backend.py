@@ -413,64 +413,6 @@ def test_compaction_when_the_log_reaches_compact_bytes(tmp_path: Path) -> None:
     run(main())
 
 
-class ByteCountingIO(FileIO):
-    """The real file system, counting the bytes written to snapshots and appended to
-    the log (issue 16: what compaction costs per write)."""
-
-    def __init__(self) -> None:
-        self.snapshot_bytes = 0
-        self.log_bytes = 0
-        self.snapshots = 0
-
-    def write_file(self, path: str, data: bytes, *, fsync: bool) -> None:
-        self.snapshot_bytes += len(data)
-        self.snapshots += 1
-        super().write_file(path, data, fsync=fsync)
-
-    def append(self, fd: int, data: bytes, *, fsync: bool) -> None:
-        self.log_bytes += len(data)
-        super().append(fd, data, fsync=fsync)
-
-
-@pytest.mark.spec("BACK-4")
-@pytest.mark.parametrize("options", [{}, {"compact_every": 1000}], ids=["defaults", "compact_every-given"])
-def test_with_the_defaults_a_large_journal_is_not_rewritten_every_1000_writes(
-    tmp_path: Path, options: dict[str, Any]
-) -> None:
-    """Issue 16: a fold rewrites the whole snapshot, so with the default thresholds it
-    also waits for the log to reach half the snapshot's size — the bytes the folds write
-    stay within twice the bytes appended, however large the journal (here 4,000
-    records of ~300 bytes, then 3,000 updates: a fold every 1,000 writes would write
-    ~4x the appended bytes). A ``compact_every`` given explicitly is kept exactly. After
-    a crash (no fold at close) every write is there."""
-    path = tmp_path / "j.json"
-
-    async def main() -> None:
-        io = ByteCountingIO()
-        kv = await opened(path, append_log=True, fsync=False, io=io, **options)
-        for i in range(4000):
-            await kv.put(S, "inbox", f"k{i}", {"pad": "x" * 200, "i": i}, expected_version=0)
-        io.snapshot_bytes = io.log_bytes = io.snapshots = 0
-        leftover = Path(str(path) + ".log").stat().st_size  # appended before, folded in this window
-        for i in range(3000):
-            await kv.put(S, "inbox", f"k{i}", {"pad": "y" * 200, "i": i}, expected_version=1)
-        if options:
-            assert io.snapshots == 3  # at 1,000, 2,000 and 3,000 updates, as asked
-        else:
-            # each fold of S bytes comes after at least S/2 bytes appended since the last one
-            assert 1 <= io.snapshots < 3, io.snapshots
-            assert io.snapshot_bytes <= 2 * (io.log_bytes + leftover), (io.snapshot_bytes, io.log_bytes, leftover)
-        kv.abandon()
-        again = await opened(path, append_log=True)
-        rows = await again.scan(S, "inbox", limit=5000)
-        assert len(rows) == 4000
-        assert all(v.value == ({"pad": "y" * 200, "i": int(k[1:])} if int(k[1:]) < 3000 else
-                               {"pad": "x" * 200, "i": int(k[1:])}) for k, v in rows)
-        await again.close()
-
-    run(main())
-
-
 @pytest.mark.spec("BACK-4")
 def test_default_compaction_every_1000_entries(tmp_path: Path) -> None:
     """BACK-4: the default is a compaction every 1000 entries."""

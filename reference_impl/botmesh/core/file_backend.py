@@ -9,10 +9,8 @@ Writes (BACK-4, BACK-6):
 * Without the append log every write rewrites the whole snapshot.
 * With it each write appends one line (fsync'ed when ``fsync``) and the snapshot is
   rewritten — then the log truncated — every ``compact_every`` entries (1000) or when
-  the log reaches ``compact_bytes`` (4 MiB); with these defaults, also not before the
-  log is half the snapshot's size, so that a large journal is not rewritten whole every
-  1,000 writes (:class:`FileKv`). A crash between the rewrite and the truncation is
-  harmless: replay skips entries whose ``seq <= log_seq``.
+  the log reaches ``compact_bytes`` (4 MiB). A crash between the rewrite and the
+  truncation is harmless: replay skips entries whose ``seq <= log_seq``.
 * ``fsync`` defaults to ``True`` in both modes (the spec only fixes the append log's
   default; we chose the safe one for the snapshot too): each snapshot is forced to disk
   before it replaces the previous one, and the directory after the rename, so the

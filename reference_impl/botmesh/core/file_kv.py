@@ -104,13 +104,7 @@ class FileKv(DurableKv):
     * ``append_log`` — append each write to ``<path>.log`` instead of rewriting the
       snapshot. Giving ``compact_every`` or ``compact_bytes`` turns it on as well.
     * ``compact_every`` (1000), ``compact_bytes`` (4 MiB) — when to fold the log into
-      the snapshot. A fold rewrites the whole snapshot, so with these defaults (neither
-      option given) it also waits until the log is at least half the snapshot's size:
-      a large journal is then not rewritten every 1,000 writes — the bytes the folds
-      write stay within twice the bytes appended, whatever the journal's size — and an
-      open replays a log of at most the larger of those thresholds and half the
-      snapshot's size, besides reading the snapshot. Given explicitly (either one), the
-      thresholds apply exactly as given.
+      the snapshot.
     * ``fsync`` (True) — force each snapshot and each log append to disk (BACK-6);
       False gives up ``survives_crash`` (see above).
     * ``io`` — the :class:`~botmesh.core.fileio.FileIO` doing the OS calls (faults).
@@ -166,11 +160,6 @@ class FileKv(DurableKv):
         self._append_log = append_log or compact_every is not None or compact_bytes is not None
         self._compact_every = DEFAULT_COMPACT_EVERY if compact_every is None else compact_every
         self._compact_bytes = DEFAULT_COMPACT_BYTES if compact_bytes is None else compact_bytes
-        # With the default thresholds a fold also waits for the log to reach half the
-        # snapshot's size (see the class docstring): _snapshot_size is the size of the
-        # snapshot last read or written.
-        self._fold_in_proportion = compact_every is None and compact_bytes is None
-        self._snapshot_size = 0
         self._fsync = True if fsync is None else fsync
         if not self._fsync and type(self).capabilities is FileKv.capabilities:
             # Without fsync an acknowledged write is only in the OS cache: it survives the
@@ -448,9 +437,7 @@ class FileKv(DurableKv):
             else:
                 space_map[c.key] = c.entry
                 texts[(c.scope, c.space, c.key)] = (c.entry, c.encoded)  # type: ignore[assignment]
-        if (self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes) and (
-            not self._fold_in_proportion or 2 * self._log_bytes >= self._snapshot_size
-        ):
+        if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
             self._compact()
 
     def _commit_to_snapshot(self, changes: list[_Change]) -> None:
@@ -494,7 +481,6 @@ class FileKv(DurableKv):
             except OSError:
                 pass  # the write's own error is the one to report
             raise _SnapshotWriteFailed(exc, landed=False) from exc
-        self._snapshot_size = len(data)
         if self._fsync:
             try:
                 self._io.fsync_dir(os.path.dirname(self._path))
@@ -537,7 +523,6 @@ class FileKv(DurableKv):
             snapshot = self._io.read_bytes(self._path)
         except OSError as exc:
             raise BackendUnavailableError(f"{self._path}: cannot read the snapshot: {exc}", file=self._path) from exc
-        self._snapshot_size = 0 if snapshot is None else len(snapshot)
         records: Records
         if snapshot is None:
             records, log_seq, snapshot_version = {}, 0, FORMAT_VERSION
