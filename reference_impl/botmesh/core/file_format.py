@@ -361,15 +361,32 @@ def log_entry(
 ) -> str:
     """One append-log entry as JSON text (an element of a commit's line,
     :func:`log_commit`). ``encoded_value`` is the value as :func:`encode_value` returned
-    it (computed from ``entry`` when not given)."""
-    obj: dict[str, Any] = {"seq": seq, "op": op, "scope": scope, "space": space, "key": key, "version": version}
+    it (computed from ``entry`` when not given).
+
+    The text is what ``_dumps`` gives for the entry's object, composed here field by
+    field with the encoder's own string escaping (a test holds them equal): one encoder
+    call less per write."""
+    head = (f'{{"seq":{int(seq)},"op":{_quote(op)},"scope":{_quote(scope)},"space":{_quote(space)},'
+            f'"key":{_quote(key)},"version":{int(version)}')
     if entry is None:
-        return _dumps(obj)
-    obj["due"] = _score_out(entry[2])
-    obj["expires"] = _score_out(entry[3])
+        return head + "}"
     if encoded_value is None:
         encoded_value = encode_value(entry[0], f"{scope}/{space}/{key}")
-    return _dumps(obj)[:-1] + ',"value":' + encoded_value + "}"
+    return f'{head},"due":{_score_text(entry[2])},"expires":{_score_text(entry[3])},"value":{encoded_value}}}'
+
+
+# What the encoder writes for a string (ASCII, escaped) and for a score.
+_quote = json.encoder.encode_basestring_ascii
+
+
+def _score_text(score: float | None) -> str:
+    """``_dumps(_score_out(score))`` without the encoder: ``null``, the number as the
+    encoder writes it (``float.__repr__`` / ``int.__repr__``), or ``"inf"``/``"-inf"``."""
+    if score is None:
+        return "null"
+    if type(score) is float:
+        return float.__repr__(score) if -_INF < score < _INF else ('"inf"' if score > 0 else '"-inf"')
+    return _dumps(_score_out(score))
 
 
 def log_commit(entries: list[str]) -> bytes:
