@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .errors import BackendUnavailableError, ConfigError, JournalLockedError, VersionConflict
@@ -393,17 +393,23 @@ class FileKv(DurableKv):
             self._commit_to_snapshot(changes)
         return [change.version for change in changes]
 
-    def _append_commit(self, entries: list[str]) -> None:
-        """Append one commit — ``entries``, a group's :func:`~botmesh.core.file_format.log_entry`
-        texts — to the log as its one line (:func:`~botmesh.core.file_format.log_commit`),
-        by one write and, with ``fsync``, one fsync, and count its bytes. The write's
-        pages may reach the disk in any order before the fsync returns; whatever a power
-        cut leaves of them is damage of the log's final line, which the reader trims as a
-        torn write (log version 3, :mod:`botmesh.core.file_format`). On failure, what part
-        of it reached the file is cut off again (or the next append would turn it into a
-        damaged line in the middle of the log) and ``BackendUnavailableError`` is
-        raised."""
+    def _append_commit(self, changes: Sequence[_Change]) -> None:
+        """Append ``changes`` to the log as one commit — entries numbered on from the last
+        seq, as one line (:func:`~botmesh.core.file_format.log_commit`) — by one write
+        and, with ``fsync``, one fsync; then count them and their bytes (memory is the
+        caller's to update). The write's pages may reach the disk in any order before the
+        fsync returns; whatever a power cut leaves of them is damage of the log's final
+        line, which the reader trims as a torn write (log version 3,
+        :mod:`botmesh.core.file_format`). On failure, what part of it reached the file is
+        cut off again (or the next append would turn it into a damaged line in the middle
+        of the log) and ``BackendUnavailableError`` is raised."""
         assert self._log_fd is not None
+        seq = self._seq
+        entries = []
+        for scope, space, key, entry, version, encoded in changes:
+            seq += 1
+            entries.append(log_entry(seq, "put" if entry is not None else "del", scope, space, key, version, entry,
+                                     encoded))
         data = log_commit(entries)
         try:
             self._io.append(self._log_fd, data, fsync=self._fsync)
@@ -415,19 +421,18 @@ class FileKv(DurableKv):
             raise BackendUnavailableError(
                 f"{self._log_path}: cannot append to the log: {exc}", file=self._log_path
             ) from exc
+        self._seq = seq
+        self._log_entries += len(entries)
         self._log_bytes += len(data)
 
+    def _compact_when_due(self) -> None:
+        """Fold the log into the snapshot once it reached ``compact_every`` entries or
+        ``compact_bytes`` bytes (BACK-4)."""
+        if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
+            self._compact()
+
     def _commit_to_log(self, changes: list[_Change]) -> None:
-        assert self._log_fd is not None
-        seq = self._seq
-        entries = []
-        for c in changes:
-            seq += 1
-            entries.append(log_entry(seq, "put" if c.entry is not None else "del", c.scope, c.space, c.key, c.version,
-                                     c.entry, c.encoded))
-        self._append_commit(entries)
-        self._seq = seq
-        self._log_entries += len(changes)
+        self._append_commit(changes)
         texts = self._value_texts
         for c in changes:
             space_map = self._records.setdefault((c.scope, c.space), {})
@@ -437,8 +442,7 @@ class FileKv(DurableKv):
             else:
                 space_map[c.key] = c.entry
                 texts[(c.scope, c.space, c.key)] = (c.entry, c.encoded)  # type: ignore[assignment]
-        if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
-            self._compact()
+        self._compact_when_due()
 
     def _commit_to_snapshot(self, changes: list[_Change]) -> None:
         # Build the next state beside the current one; it replaces it only once on file.

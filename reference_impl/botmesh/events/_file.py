@@ -15,8 +15,8 @@ import os
 from typing import Any
 
 from botmesh.core.errors import BackendUnavailableError
-from botmesh.core.file_format import Entry, Records, encode_value, log_entry
-from botmesh.core.file_kv import FileKv, _SnapshotWriteFailed
+from botmesh.core.file_format import Entry, Records, encode_value
+from botmesh.core.file_kv import FileKv, _Change, _SnapshotWriteFailed
 from botmesh.core.fileio import FileIO
 
 __all__ = ["Change", "JournalFile"]
@@ -76,7 +76,7 @@ class JournalFile(FileKv):
 
     def commit(self, changes: list[Change]) -> None:
         """Write ``changes`` with one write (a snapshot rewrite, or one append of one log
-        line per change), then apply them in memory. On ``BackendUnavailableError``
+        line: a commit), then apply them in memory. On ``BackendUnavailableError``
         memory is unchanged (and the file too when it could be put back)."""
         if not changes:
             return
@@ -105,24 +105,17 @@ class JournalFile(FileKv):
         self.writes += 1
 
     def _commit_lines(self, changes: list[Change]) -> None:
-        assert self._log_fd is not None
-        seq = self._seq
-        parts: list[str] = []
-        for scope, space, key, entry, version in changes:
-            seq += 1
-            encoded = None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}")
-            parts.append(log_entry(seq, "put" if entry is not None else "del", scope, space, key, version, entry, encoded))
-        self._append_commit(parts)  # one line, one write and fsync, undone on failure (FileKv's)
-        self._seq = seq
-        self._log_entries += len(changes)
+        # one commit line, one write and fsync, undone on failure (FileKv's)
+        self._append_commit([_Change(scope, space, key, entry, version,
+                                     None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}"))
+                             for scope, space, key, entry, version in changes])
         for scope, space, key, entry, _ in changes:
             space_map = self._records.setdefault((scope, space), {})
             if entry is None:
                 space_map.pop(key, None)
             else:
                 space_map[key] = entry
-        if self._log_entries >= self._compact_every or self._log_bytes >= self._compact_bytes:
-            self._compact()
+        self._compact_when_due()
 
     # -- the shared journal --------------------------------------------------------------
     def reload(self) -> None:
