@@ -14,9 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from botmesh.core.errors import BackendUnavailableError
 from botmesh.core.file_format import Entry, Records, encode_value
-from botmesh.core.file_kv import FileKv, _Change, _SnapshotWriteFailed
+from botmesh.core.file_kv import FileKv, _Change
 from botmesh.core.fileio import FileIO
 
 __all__ = ["Change", "JournalFile"]
@@ -76,46 +75,20 @@ class JournalFile(FileKv):
 
     def commit(self, changes: list[Change]) -> None:
         """Write ``changes`` with one write (a snapshot rewrite, or one append of one log
-        line: a commit), then apply them in memory. On ``BackendUnavailableError``
+        line: a commit), then apply them in memory — FileKv's own commit of a group
+        (``_commit_to_log`` / ``_commit_to_snapshot``). On ``BackendUnavailableError``
         memory is unchanged (and the file too when it could be put back)."""
         if not changes:
             return
         self._check()
+        batch = [_Change(scope, space, key, entry, version,
+                         None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}"))
+                 for scope, space, key, entry, version in changes]
         if self._append_log:
-            self._commit_lines(changes)
+            self._commit_to_log(batch)
         else:
-            records = dict(self._records)
-            copied: set[tuple[str, str]] = set()
-            for scope, space, key, entry, _ in changes:
-                if (scope, space) not in copied:
-                    records[(scope, space)] = dict(records.get((scope, space), {}))
-                    copied.add((scope, space))
-                if entry is None:
-                    records[(scope, space)].pop(key, None)
-                else:
-                    records[(scope, space)][key] = entry
-            try:
-                self._write_snapshot(records, self._seq)
-            except _SnapshotWriteFailed as failed:
-                if failed.landed:
-                    self._broken = f"a snapshot write could not be confirmed ({failed.cause})"
-                raise BackendUnavailableError(f"{self._path}: cannot write the snapshot: {failed.cause}",
-                                              file=self._path) from failed.cause
-            self._records = records
+            self._commit_to_snapshot(batch)
         self.writes += 1
-
-    def _commit_lines(self, changes: list[Change]) -> None:
-        # one commit line, one write and fsync, undone on failure (FileKv's)
-        self._append_commit([_Change(scope, space, key, entry, version,
-                                     None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}"))
-                             for scope, space, key, entry, version in changes])
-        for scope, space, key, entry, _ in changes:
-            space_map = self._records.setdefault((scope, space), {})
-            if entry is None:
-                space_map.pop(key, None)
-            else:
-                space_map[key] = entry
-        self._compact_when_due()
 
     # -- the shared journal --------------------------------------------------------------
     def reload(self) -> None:
