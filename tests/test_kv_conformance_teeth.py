@@ -465,8 +465,10 @@ def test_the_agreement_test_alone_catches_a_kv_that_forgets_on_reopen_whatever_i
         pytester: pytest.Pytester) -> None:
     """BACK-7: the model-based test ends every example with a crash and a reopen when the
     kv claims ``survives_crash``. Its drawn reopen steps alone missed ForgetfulKv in 3 of
-    48 seeds; seed 23 is one of them (its examples drew no reopen after a write)."""
-    result, out = _run_suite_against(pytester, "ForgetfulKv", "--botmesh-seed=23", "-k", "agrees")
+    48 seeds with 30 examples, in 1 of 399 with 60 (the default since): seed 258, whose
+    examples draw no reopen after a write (checked: with the final crash taken out of
+    the machine's teardown, this test fails)."""
+    result, out = _run_suite_against(pytester, "ForgetfulKv", "--botmesh-seed=258", "-k", "agrees")
     _assert_fails(
         result,
         out,

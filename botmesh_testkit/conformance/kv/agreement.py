@@ -288,7 +288,8 @@ def make_agreement_machine(
             try:
                 # With survives_crash every example ends with a crash and a reopen: drawn
                 # alone, the reopen step missed a kv that forgets every write on reopen in
-                # 3 of 48 seeds (examples that drew no reopen after their writes).
+                # 3 of 48 seeds with 30 examples, 1 of 399 with 60 (examples that drew no
+                # reopen after their writes).
                 if survives_crash and self.kv is not None and not self.failed:
                     self._reopen("crash", after="the last step and the crash every example ends with")
             finally:
@@ -361,8 +362,12 @@ class AgreementTests(KvSuiteBase):
     """The model-based agreement tests (a mixin of
     :class:`~botmesh_testkit.conformance.kv.DurableKvConformance`)."""
 
-    stateful_max_examples: ClassVar[int] = 30
-    """Hypothesis ``max_examples`` of the model-based test."""
+    stateful_max_examples: ClassVar[int] = 60
+    """Hypothesis ``max_examples`` of the model-based test. 60: with 30, the test alone
+    missed a kv that keeps a record's old index entries on a put (the teeth tests'
+    ``IndexNotMovedKv``) in 4 of 600 drawn seeds, with 60 in none of 300; it costs about
+    1 s more on SQLite and 5 s more on PostgreSQL (the dedicated index tests catch that
+    bug whatever the seed)."""
     stateful_step_count: ClassVar[int] = 30
     """Hypothesis ``stateful_step_count`` of the model-based test."""
     stateful_shrink_seconds: ClassVar[float] = 20.0
