@@ -67,6 +67,13 @@ SCHEMA: tuple[str, ...] = (
 )
 """Every table and index of a botmesh SQLite file, created together (BACK-1)."""
 
+SCHEMA_NAMES: frozenset[str] = frozenset(
+    statement.split(" IF NOT EXISTS ", 1)[1].split(None, 1)[0] for statement in SCHEMA
+)
+"""The names of :data:`SCHEMA`'s tables and indexes: a file that has them all has the
+schema (``CREATE ... IF NOT EXISTS`` would leave it as it is), and an open skips the
+statements (issue 16: they were 6 of a connection's 15 statements at open)."""
+
 STORE_TABLES: tuple[str, ...] = ("kv", "messages")
 """Tables the store uses; the durability never touches them (BACK-3)."""
 
@@ -204,9 +211,11 @@ def _setup(conn: sqlite3.Connection, busy_timeout_ms: int, file: str = "", journ
         # under the write lock: no other process appends to or resets the log meanwhile; the page
         # size from the connection, never by opening the file (that would drop this process's locks)
         check_wal(file, int(conn.execute("PRAGMA page_size").fetchone()[0]))
-        fresh = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
-        for statement in SCHEMA:
-            conn.execute(statement)
+        names = {str(row[0]) for row in conn.execute("SELECT name FROM sqlite_master")}
+        fresh = not names
+        if not SCHEMA_NAMES <= names:  # a new file, or one missing a table or an index
+            for statement in SCHEMA:
+                conn.execute(statement)
         if fresh:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         else:
