@@ -298,9 +298,9 @@ def _run_suite_against(pytester: pytest.Pytester, kv_class: str, *extra: str) ->
         )
     )
     # Fixed seeds keep these runs (and their shrinking time) the same from run to run:
-    # --botmesh-seed seeds the model-based test (it overrides --hypothesis-seed there; a
-    # drawn one missed IndexNotMovedKv in that test alone in 3 of 300 seeds, a red CI run),
-    # and a later --botmesh-seed in ``extra`` overrides this one.
+    # --botmesh-seed seeds the model-based test (it overrides --hypothesis-seed there; with
+    # 30 examples a drawn one missed IndexNotMovedKv in that test alone in 3 of 300 seeds,
+    # a red CI run), and a later --botmesh-seed in ``extra`` overrides this one.
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "-q", "-rfs", "--hypothesis-seed=0",
                                            "--botmesh-seed=1", *extra)
     return result, result.stdout.str()
