@@ -165,7 +165,7 @@ def put_line(
 ) -> bytes:
     """An append-log commit of one put entry, written by hand (log version 3: a framed
     JSON array of entries)."""
-    return frame(b"[" + _js(put_entry(seq, key, version, value, due, space)) + b"]")
+    return commit_line(put_entry(seq, key, version, value, due, space))
 
 
 def del_entry(seq: int, key: str, version: int, space: str = "inbox") -> dict[str, Any]:
@@ -174,7 +174,7 @@ def del_entry(seq: int, key: str, version: int, space: str = "inbox") -> dict[st
 
 def del_line(seq: int, key: str, version: int, space: str = "inbox") -> bytes:
     """An append-log commit of one delete entry, written by hand (log version 3)."""
-    return frame(b"[" + _js(del_entry(seq, key, version, space)) + b"]")
+    return commit_line(del_entry(seq, key, version, space))
 
 
 def commit_line(*entries: dict[str, Any]) -> bytes:

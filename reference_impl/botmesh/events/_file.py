@@ -76,18 +76,14 @@ class JournalFile(FileKv):
     def commit(self, changes: list[Change]) -> None:
         """Write ``changes`` with one write (a snapshot rewrite, or one append of one log
         line: a commit), then apply them in memory — FileKv's own commit of a group
-        (``_commit_to_log`` / ``_commit_to_snapshot``). On ``BackendUnavailableError``
-        memory is unchanged (and the file too when it could be put back)."""
+        (``FileKv._commit``). On ``BackendUnavailableError`` memory is unchanged (and the
+        file too when it could be put back)."""
         if not changes:
             return
-        self._check()
-        batch = [_Change(scope, space, key, entry, version,
-                         None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}"))
-                 for scope, space, key, entry, version in changes]
-        if self._append_log:
-            self._commit_to_log(batch)
-        else:
-            self._commit_to_snapshot(batch)
+        self._check()  # before encoding: a closed or broken journal says so first
+        self._commit([_Change(scope, space, key, entry, version,
+                              None if entry is None else encode_value(entry[0], f"{scope}/{space}/{key}"))
+                      for scope, space, key, entry, version in changes])
         self.writes += 1
 
     # -- the shared journal --------------------------------------------------------------
