@@ -361,6 +361,34 @@ def test_in_process_io_records_what_the_directory_holds(tmp_path: Path) -> None:
     assert io.crash("drop").files == {"snap": b"v1", "log": b""}
 
 
+def test_in_process_io_resolves_a_name_again_once_it_renamed_or_removed_it(tmp_path: Path) -> None:
+    """PowerCutIO keeps each path's resolution (issue 16); a name it renames over or
+    removes may name another file afterwards, and is resolved again. Here two names are
+    links to a file outside the root (not recorded) until the io replaces one and
+    removes the other: then they are files of the root, recorded as such."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "a").write_bytes(b"outside a")
+    (outside / "b").write_bytes(b"outside b")
+    root = tmp_path / "root"
+    root.mkdir()
+    io = PowerCutIO(root)
+    (root / "journal").symlink_to(outside / "a")  # made behind its back (it records no links)
+    (root / "other").symlink_to(outside / "b")
+    io.write_file(str(root / "journal"), b"through the link", fsync=True)  # outside: not recorded
+    io.write_file(str(root / "other"), b"through the link", fsync=True)
+    assert (outside / "a").read_bytes() == b"through the link"
+    io.write_file(str(root / "tmp"), b"new", fsync=True)
+    io.replace(str(root / "tmp"), str(root / "journal"))  # the link is replaced by a file of the root
+    io.remove(str(root / "other"))
+    io.write_file(str(root / "other"), b"own file", fsync=True)
+    io.fsync_dir(str(root))
+    files = io.model.visible_state().files
+    assert files.get("journal") == b"new" and files.get("other") == b"own file", files
+    assert "tmp" not in files
+    assert io.crash("drop").files.get("journal") == b"new"
+
+
 # == the FUSE mount ===============================================================================
 def _unavailable(exc: BaseException | str) -> None:
     if REQUIRE:

@@ -45,6 +45,7 @@ class PowerCutIO(FileIO):
         self.model: PersistenceModel = model if model is not None else load_tree(self.root)
         """What is durable and what is not, of the tree under :attr:`root`."""
         self._fds: dict[int, int] = {}  # descriptor -> model inode (append logs, locks)
+        self._rels: dict[str, str | None] = {}  # path as given -> _rel's answer (see _rel)
 
     def dead_pid(self) -> int:
         """The id of a process that has exited, as :meth:`FileIO.dead_pid
@@ -71,13 +72,28 @@ class PowerCutIO(FileIO):
 
     # -- helpers -----------------------------------------------------------------------------------
     def _rel(self, path: str) -> str | None:
-        """``path`` relative to the root, or ``None`` when it is outside (not recorded)."""
+        """``path`` relative to the root, or ``None`` when it is outside (not recorded).
+
+        Resolved with ``os.path.realpath`` once per spelling of a path and kept (issue 16:
+        a crash cell of a file journal resolved the same few paths about 16 times, a
+        twentieth of the cell). A kept answer is dropped when this object renames or
+        removes that path (:meth:`replace`, :meth:`remove`): the only changes to the
+        tree that ``FileIO`` makes. A symbolic link made or changed under the root by
+        other means while this object is in use is not seen — nothing that records
+        through it does that."""
+        try:
+            return self._rels[path]
+        except KeyError:
+            pass
         real = os.path.realpath(path)
         if real == self.root:
-            return ""
-        if real.startswith(self.root + os.sep):
-            return real[len(self.root) + 1:]
-        return None
+            rel: str | None = ""
+        elif real.startswith(self.root + os.sep):
+            rel = real[len(self.root) + 1:]
+        else:
+            rel = None
+        self._rels[path] = rel
+        return rel
 
     def _ino_for(self, rel: str) -> int:
         """The inode of ``rel``, created in the model when the OS just created the file."""
@@ -109,6 +125,8 @@ class PowerCutIO(FileIO):
     def replace(self, src: str, dst: str) -> None:
         """See :meth:`FileIO.replace`."""
         super().replace(src, dst)
+        self._rels.pop(src, None)
+        self._rels.pop(dst, None)
         rs, rd = self._rel(src), self._rel(dst)
         if rs is not None and rd is not None:
             self.model.rename(rs, rd)
@@ -174,6 +192,7 @@ class PowerCutIO(FileIO):
         rel = self._rel(path)
         existed = os.path.lexists(path)
         super().remove(path)
+        self._rels.pop(path, None)
         if rel is not None and existed and self.model.lookup(rel) is not None:
             self.model.unlink(rel)
 
