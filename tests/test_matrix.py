@@ -180,6 +180,36 @@ async def test_a_drain_of_settled_journals_lets_no_time_pass(tmp_path: Path) -> 
         await world.close()
 
 
+@spec("TEST-4")
+@pytest.mark.parametrize("discard", [False, True])
+async def test_a_discarded_world_leaves_its_file_journal_as_a_death_does(discard: bool, tmp_path: Path) -> None:
+    """``World.close(discard=True)`` -- what a crash-matrix cell does, its directory thrown
+    away next (issue 16) -- skips what only keeps the storage: the append log is not
+    folded into the snapshot and the lock file names a process that is not running, as
+    after a death; ``close()`` folds the log and removes the lock. Either way the journal
+    opens again with what was acknowledged."""
+    from botmesh.core.fileio import default_io
+
+    w = WORKLOADS["one-send"]
+    harness = resolve("file+log")(str(tmp_path))
+    world = World(harness, setup=w.setup)
+    await world.start()
+    await world.receive("c1", "go", id="m1")
+    assert await world.drain() is not None
+    await world.close(discard=discard)
+    log, lock = Path(harness.path + ".log"), Path(harness.path + ".lock")
+    assert (log.exists(), lock.exists()) == (discard, discard)
+    if discard:
+        assert log.stat().st_size > 0 and not default_io.pid_alive(int(lock.read_text()))
+    again = World(resolve("file+log")(str(tmp_path)), setup=w.setup)
+    try:
+        bot = await again.start()
+        assert bot.durability is not None
+        assert [(r.id, r.state) for r in await bot.durability.inbox.list()] == [("m1", "done")]
+    finally:
+        await again.close()
+
+
 PROFILE = """description = "two workloads, random cells only matter here"
 workloads = ["one-send", "three-sends"]
 random_per_workload = 4

@@ -147,6 +147,15 @@ class BackendHarness(ABC):
     async def close(self) -> None:
         """Release everything (end of test)."""
 
+    async def discard(self) -> None:
+        """Release everything at the end of a test whose storage is thrown away right
+        after (a crash-matrix cell's scratch directory): what :meth:`close` does, minus
+        work that only serves to keep what is stored — a file journal's last fold into
+        its snapshot (issue 16: a tenth of a ``file+log`` cell). The default is
+        :meth:`close`; storage that outlives the harness (a server's pooled table) is
+        given back by it as ever."""
+        await self.close()
+
     def reuse_storage(self) -> bool:
         """Ask this harness, before it opens, to take its storage from a pool of storage
         that earlier harnesses of this process emptied, and to give it back emptied at

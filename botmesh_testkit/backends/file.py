@@ -41,6 +41,13 @@ class WorkdirJournalHarness(BackendHarness):
             await self.backend.close()
             self.backend = None
 
+    async def discard(self) -> None:
+        """The journal is left as a dead process leaves it (``abandon``: no fold, no
+        compaction), its handles and lock released (see :meth:`BackendHarness.discard`)."""
+        if self.backend is not None:
+            self.backend.abandon()
+            self.backend = None
+
 
 class FileHarness(WorkdirJournalHarness):
     """``FileDurability`` (snapshot only, or with the append log); the bot's store is a

@@ -242,10 +242,16 @@ class World:
                 return None
             await self.clock.advance(d.config.poll_ms)
 
-    async def close(self) -> None:
+    async def close(self, *, discard: bool = False) -> None:
+        """Abandon the bot and close the harness; ``discard``: the storage is thrown away
+        right after, so the harness may skip what only keeps it
+        (:meth:`BackendHarness.discard <botmesh_testkit.backends.base.BackendHarness.discard>`)."""
         if self.bot is not None:
             await self.bot.abandon()
-        await self.harness.close()
+        if discard:
+            await self.harness.discard()
+        else:
+            await self.harness.close()
 
     def _record(self, incarnation: int, name: str, payload: dict[str, Any]) -> None:
         self.events.append((name, payload))

@@ -182,7 +182,7 @@ class PowerCutStates:
             out.extend(Violation(v.ids, f"{where}, after recovery: {v.message}") for v in sub.violations)
             return out
         finally:
-            await world.close()
+            await world.close(discard=True)  # the state's directory is removed after the judging
 
 
 async def _close_quietly(harness: BackendHarness) -> None:

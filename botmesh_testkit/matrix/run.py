@@ -126,7 +126,9 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
     """Run one cell and check its history; for a file backend, also recover from the
     power-cut crash states of its crash point (module docstring). ``measure_recovery``:
     record the lines of the engine's recovery code run from the restart to the end of
-    the drain (``Outcome.recovery_lines``; the ordinary recovery's only)."""
+    the drain (``Outcome.recovery_lines``; the ordinary recovery's only). ``workdir`` is
+    the cell's scratch directory, thrown away by the caller: the harness is discarded at
+    the end (:meth:`~botmesh_testkit.backends.base.BackendHarness.discard`), not closed."""
     w = WORKLOADS[cell.workload]
     started = time.perf_counter()
     harness = resolve(cell.backend)(workdir)
@@ -142,7 +144,7 @@ async def run_cell(cell: Cell, seed: int, truth: Oracle, workdir: str, *, measur
         await play(world, w)
         return await finish_cell(world, cell, seed, truth, io, started, measure_recovery=measure_recovery)
     finally:
-        await world.close()
+        await world.close(discard=True)
 
 
 async def finish_cell(world: World, cell: Cell, seed: int, truth: Oracle, io: PowerCutIO | None, started: float, *,
