@@ -35,6 +35,11 @@ class Clock(Protocol):
     def waiting(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+_NOTHING_TO_COUNT: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+"""The real clock's ``busy()`` and ``waiting()``: it counts nothing. One instance serves
+every call (``nullcontext`` keeps no state of a ``with``; a message enters two)."""
+
+
 class RealClock:
     """Wall-clock time and real sleeping."""
 
@@ -45,10 +50,10 @@ class RealClock:
         await asyncio.sleep(max(0.0, ms) / 1000.0)
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return _NOTHING_TO_COUNT
 
     def waiting(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return _NOTHING_TO_COUNT
 
 
 def resolve_waiter(waiter: asyncio.Future[None]) -> None:
