@@ -75,12 +75,12 @@ class PowerCutIO(FileIO):
         """``path`` relative to the root, or ``None`` when it is outside (not recorded).
 
         Resolved with ``os.path.realpath`` once per spelling of a path and kept (issue 16:
-        a crash cell of a file journal resolved the same few paths about 16 times, a
-        twentieth of the cell). A kept answer is dropped when this object renames or
-        removes that path (:meth:`replace`, :meth:`remove`): the only changes to the
-        tree that ``FileIO`` makes. A symbolic link made or changed under the root by
-        other means while this object is in use is not seen — nothing that records
-        through it does that."""
+        a crash cell of a file journal resolved the same few paths about 13 times, 3 % of
+        a ``file+log`` cell's instructions and 9 % of a ``file`` cell's). A kept answer is
+        dropped when this object renames over or removes that path (:meth:`replace`,
+        :meth:`remove`), the ways ``FileIO`` can make a name stand for another file. A
+        symbolic link made or changed under the root by other means while this object is
+        in use is not seen — nothing that records through it does that."""
         try:
             return self._rels[path]
         except KeyError:
