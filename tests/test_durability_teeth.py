@@ -139,6 +139,15 @@ class DueIgnoresUpto(KvDurability):
         return await super().outbox_due(scope, upto=float("inf"), limit=limit)
 
 
+class SwappedDue(KvDurability):
+    """Bug: the sweep's read of both journals (``due``) hands back the outbox's keys as
+    the inbox's and the other way round; ``inbox_due`` and ``outbox_due`` are right."""
+
+    async def due(self, scope: str, *, upto: float, limit: int) -> tuple[list[str], list[str]]:
+        inbox, outbox = await super().due(scope, upto=upto, limit=limit)
+        return outbox, inbox
+
+
 class ScopeLeakKv(MemoryKv):
     """Bug: the scope is ignored — every scope shares one set of records."""
 
@@ -262,6 +271,10 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str]]]] = {
          ("test_out7_a_failed_send_is_retried_at_next_at", "OUT-7"),
          ("test_lease1_heartbeat_extends_the_lease_and_never_shortens_it*", "LEASE-1")],
     ),
+    "SwappedDue": (
+        "SwappedDue(MemoryKv())",
+        [("test_out7_a_sweep_pass_reads_both_journals_as_their_own_due_reads_do", "INB-3")],
+    ),
     "ScopeLeak": (
         "KvDurability(ScopeLeakKv())",
         [("test_scope2_inbox_scopes_never_see_each_other", "SCOPE-2"),
@@ -294,11 +307,11 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 _CLASSES: list[Any] = [
     NeverExpiringLease, FrozenToken, StaleCompletionAccepted, ForgetsSent, LosesMessageId, ReversedDue,
-    DueIgnoresUpto, ScopeLeakKv, ForgetfulKv, PurgeTooMuch, JournalOverwrites, ShorteningHeartbeat, RacyClaims,
+    DueIgnoresUpto, SwappedDue, ScopeLeakKv, ForgetfulKv, PurgeTooMuch, JournalOverwrites, ShorteningHeartbeat, RacyClaims,
 ]
 
 _HEADER = '''\
-"""A third party's durability backends: thirteen broken ones and a correct one."""
+"""A third party's durability backends: fourteen broken ones and a correct one."""
 from __future__ import annotations
 
 import asyncio
@@ -384,7 +397,7 @@ def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, names: list
 def test_every_broken_backend_is_caught_naming_the_violated_requirement(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """BACK-7: each of the thirteen broken backends fails the shipped suite, and the
+    """BACK-7: each of the fourteen broken backends fails the shipped suite, and the
     failure of the test aimed at its defect starts with the violated requirement id."""
     names = list(BROKEN)
     result, out = _run(pytester, monkeypatch, names)

@@ -231,7 +231,17 @@ class StaleCurrentKv(MemoryKv):
         return new
 
 
+class SwappedRangesKv(MemoryKv):
+    """Bug: ``ranges`` answers several reads at once but hands the answers back in the
+    reverse order of the reads (a one-round-trip kv that mixed up its tags); ``range``
+    itself is right."""
+
+    async def ranges(self, scope: str, reads: Any, *, upto: float, limit: int) -> list[list[tuple[float, str]]]:
+        return list(reversed(await super().ranges(scope, reads, upto=upto, limit=limit)))
+
+
 BROKEN: list[type[MemoryKv]] = [
+    SwappedRangesKv,
     StaleCurrentKv,
     CasIgnoresVersionKv,
     DescendingRangeKv,
@@ -364,6 +374,21 @@ def test_descending_range_fails(pytester: pytest.Pytester) -> None:
         "DescendingRangeKv",
         ["test_range_is_ascending_by_score_then_key[due]", "test_range_is_ascending_by_score_then_key[expires]"],
         ["BACK-7: range() of 'due' lists entries ascending by (score, key), ties broken by key"],
+    )
+
+
+@pytest.mark.spec("BACK-7")
+def test_ranges_answering_in_the_wrong_order_fails(pytester: pytest.Pytester) -> None:
+    """BACK-7: a ``ranges`` (the sweep's read of both journals' due indexes) that hands
+    back its answers in the wrong order is caught, though ``range`` is right."""
+    result, out = _run_suite_against(pytester, "SwappedRangesKv")
+    _assert_fails(
+        result,
+        out,
+        "SwappedRangesKv",
+        ["test_ranges_answers_each_read_as_range_does"],
+        ["BACK-7: ranges([('inbox', 'due'), ('outbox', 'due')], upto=inf, limit=100) answers each read as range() "
+         "does, in order"],
     )
 
 

@@ -17,6 +17,8 @@ What is pinned:
   none of their own), and at most 4 (one per journal write: the engine writes with the
   versions it knows, and the reply of an inbound journaled just now is journaled
   without a lookup of its key);
+* a pass of the engine's sweep that finds nothing due is ONE round trip (both journals'
+  due indexes read together);
 * Redis auto-pipelining: calls made while a round trip is in flight share the next one
   (each with its own result), a batch cut by a lost connection fails each of its calls
   with ``BackendUnavailableError``, a ``NOSCRIPT`` batch is resent once after the
@@ -414,6 +416,51 @@ async def test_a_message_costs_at_most_four_round_trips(backend: str) -> None:
     per journal write (no read before a CAS whose version the engine knows)."""
     round_trips, _, calls = await _per_message(backend)
     assert round_trips <= 4, f"{backend}: {round_trips} round trips per message ({calls})"
+
+
+@spec("BACK-2", "BACK-3", "INB-3", "OUT-7")
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+async def test_an_idle_sweep_pass_is_one_round_trip(backend: str) -> None:
+    """A pass of the engine's sweep that finds nothing due reads both journals' due
+    indexes in ONE round trip (``DurableKv.ranges``: one statement on PostgreSQL, one
+    script on Redis): an idle bot asks its server once per ``poll_ms``, not twice."""
+    if backend == "postgres":
+        proxy = CountingProxy(*_host_port(PG_URL, 5432), protocol="postgres")
+        await proxy.start()
+        prefix = f"rt_{uuid.uuid4().hex[:8]}_"
+        durability: KvDurability = PostgresDurability(
+            connection_string=proxy.url_for(PG_URL), table_prefix=prefix, min_size=1, max_size=1
+        )
+    else:
+        proxy = CountingProxy(*_host_port(REDIS_URL, 6379), protocol="redis")
+        await proxy.start()
+        prefix = f"rt{uuid.uuid4().hex[:8]}"
+        durability = RedisDurability(url=proxy.url_for(REDIS_URL), prefix=prefix)
+    provider = MockProvider()
+    # passes run by hand below; the background one runs once at start (it purges then,
+    # and not again for a minute)
+    bot = Bot(provider, store=MemoryStore(), durability={"backend": durability, "poll_ms": 3_600_000})
+    bot.otherwise(lambda ctx: ctx.reply("ok"))
+    await bot.start()
+    try:
+        await provider.receive("chat", "hi", id="m1")  # settled records in both journals: nothing due
+        runtime = bot.durability
+        assert runtime is not None
+        for _ in range(6):  # warm-up: the statement prepared (5th use), the script loaded
+            await runtime.sweep()
+        proxy.reset_counts()
+        for _ in range(10):
+            await runtime.sweep()
+        counted = proxy.reset_counts()
+    finally:
+        await bot.stop()
+        await proxy.stop()
+        await (_drop_table(prefix) if backend == "postgres" else _drop_keys(prefix))
+    assert counted.round_trips == 10, f"{backend}: 10 idle passes took {counted.round_trips} round trips ({counted})"
+    if backend == "redis":
+        assert counted.commands == Counter({"EVALSHA": 10}), counted.commands
+    else:
+        assert counted.commands["Execute"] == 10 and counted.prepare_only == 0, counted
 
 
 # --------------------------------------------------------------------------------------

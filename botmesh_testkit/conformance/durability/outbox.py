@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from .base import FAR, INC_1, INC_2, INF, LEASE_MS, OWNER_A, OWNER_B, T0, DurabilitySuiteBase, DurabilityTest, HarnessFactory
-from .records import _changes, _j, _when, outbound
+from .records import _changes, _j, _when, inbound, outbound
 
 
 class OutboxTests(DurabilitySuiteBase):
@@ -311,6 +311,42 @@ class OutboxTests(DurabilitySuiteBase):
                     "OUT-7: outbox_due lists the keys of pending/failed/sending records due (retry time or lease "
                     f"expiry) <= upto, earliest first, up to limit (never sent, dead or unknown); upto={_when(upto)}, "
                     f"limit={limit}: expected {expected!r}, got {got!r}"
+                )
+
+        self.run_backend(botmesh_harness_factory, tmp_path, body)
+
+    @pytest.mark.spec("INB-3", "OUT-7")
+    def test_out7_a_sweep_pass_reads_both_journals_as_their_own_due_reads_do(
+        self, botmesh_harness_factory: HarnessFactory, tmp_path: Any
+    ) -> None:
+        """INB-3, OUT-7: ``due`` — what the engine's sweep reads at every pass — answers
+        exactly ``(inbox_due(...), outbox_due(...))`` with the same ``upto`` and
+        ``limit``: the inbox's ids first, the outbox's keys second, each earliest first,
+        in the scope asked only. A backend that reads both at once must not swap them,
+        mix them or lose one: a due send or message would never be swept."""
+
+        async def body(t: DurabilityTest) -> None:
+            b = t.backend
+            await b.inbox_journal(t.a, inbound("m2", lease_ms=30_000))  # due T0+30000
+            await b.inbox_journal(t.a, inbound("m1", lease_ms=60_000))  # due T0+60000
+            await b.outbox_journal(t.a, outbound("k-sending"))  # due T0+60000
+            await b.outbox_journal(t.a, outbound("k-pending", state="pending", next_at=T0 + 10_000))
+            await b.inbox_journal(t.b, inbound("m0", lease_ms=1_000))  # another scope: never seen from t.a
+            await b.outbox_journal(t.b, outbound("k-other", state="pending", next_at=T0))
+            cases: list[tuple[float, int, tuple[list[str], list[str]]]] = [
+                (INF, 100, (["m2", "m1"], ["k-pending", "k-sending"])),
+                (T0 + 9_999, 100, ([], [])),
+                (T0 + 10_000, 100, ([], ["k-pending"])),
+                (T0 + 30_000, 100, (["m2"], ["k-pending"])),
+                (INF, 1, (["m2"], ["k-pending"])),
+            ]
+            for upto, limit, expected in cases:
+                got = await b.due(t.a, upto=upto, limit=limit)
+                own = (await b.inbox_due(t.a, upto=upto, limit=limit), await b.outbox_due(t.a, upto=upto, limit=limit))
+                assert (list(got[0]), list(got[1])) == expected == own, (
+                    "INB-3/OUT-7: due() answers (inbox_due, outbox_due) with the same upto and limit, in the scope "
+                    f"asked; upto={_when(upto)}, limit={limit}: expected {expected!r}, got {got!r} (inbox_due and "
+                    f"outbox_due give {own!r})"
                 )
 
         self.run_backend(botmesh_harness_factory, tmp_path, body)

@@ -1,7 +1,8 @@
 """Both ordered indexes (``"due"``, ``"expires"``): ascending ``(score, key)``,
 ``upto`` inclusive, ``float('inf')``, ``limit``, entries that move, vanish and come back
 with ``put`` and vanish with ``delete``; an unknown index name refused with
-``ValueError`` (BACK-7)."""
+``ValueError``; several reads at once (``ranges``) answered as ``range`` answers each
+(BACK-7)."""
 
 from __future__ import annotations
 
@@ -175,6 +176,59 @@ class IndexTests(KvSuiteBase):
 
         self.run_kv(kv_factory, body)
 
+
+    @pytest.mark.spec("BACK-7")
+    def test_ranges_answers_each_read_as_range_does(self, kv_factory: KvFactory) -> None:
+        """BACK-7: ``ranges`` — several range reads at once, what the engine's sweep
+        reads at every pass (both journals' due indexes) — answers each read, in the
+        order given, with exactly the entries ``range`` lists for it: ascending
+        ``(score, key)``, ``upto`` inclusive, cut to ``limit``, in its own scope, space
+        and index only. A kv that answers the reads in one round trip must not mix them
+        up, drop one, or lose the order."""
+        data = {  # (space, key): (due, expires)
+            ("inbox", "i3"): (3.0, 9.0), ("inbox", "i1"): (1.0, None), ("inbox", "i2a"): (2.0, 1.5),
+            ("inbox", "i2b"): (2.0, None), ("outbox", "o1"): (1.5, 2.0), ("outbox", "o0"): (0.0, 0.5),
+            ("outbox", "o9"): (None, 7.25), ("outbox", "o2"): (2.0, None),
+        }
+        reads_tried: list[list[tuple[str, IndexName]]] = [
+            [("inbox", "due"), ("outbox", "due")], [("outbox", "due"), ("inbox", "due")],
+            [("outbox", "expires"), ("inbox", "due")], [("inbox", "expires")],
+            [("inbox", "due"), ("inbox", "due"), ("outbox", "expires")], [],
+        ]
+
+        def expected(space: str, index: IndexName, upto: float, limit: int) -> list[tuple[float, str]]:
+            pos = 0 if index == "due" else 1
+            entries = sorted((scores[pos], key) for (sp, key), scores in data.items()
+                             if sp == space and scores[pos] is not None and scores[pos] <= upto)  # type: ignore[operator]
+            return [(float(score), key) for score, key in entries][:limit]
+
+        async def body(kv: DurableKv, s: Scopes) -> None:
+            for (space, key), (due, expires) in data.items():
+                await kv.put(s.a, space, key, {"k": key}, expected_version=0, due=due, expires=expires)
+                # the other scope has the same keys at other scores: a read must not see them
+                await kv.put(s.b, space, key, {"k": key}, expected_version=0, due=0.25, expires=0.25)
+            for reads in reads_tried:
+                for upto, limit in ((INF, 100), (2.0, 100), (1.5, 1), (INF, 2), (-1.0, 5), (2.0, 0)):
+                    got = await kv.ranges(s.a, reads, upto=upto, limit=limit)
+                    want = [expected(space, index, upto, limit) for space, index in reads]
+                    assert got == want, (
+                        f"BACK-7: ranges({reads!r}, upto={upto!r}, limit={limit}) answers each read as range() "
+                        f"does, in order; expected {want!r}, got {got!r}"
+                    )
+                    one_by_one = [await kv.range(s.a, space, index, upto=upto, limit=limit) for space, index in reads]
+                    assert got == one_by_one, (
+                        f"BACK-7: ranges({reads!r}, upto={upto!r}, limit={limit}) disagrees with range() read by "
+                        f"read: {got!r} against {one_by_one!r}"
+                    )
+            try:
+                got_bad = await kv.ranges(s.a, [("inbox", "due"), ("outbox", "dues")], upto=INF, limit=10)  # type: ignore[list-item]
+            except ValueError as exc:
+                assert "'dues'" in str(exc), f"BACK-7: the ValueError for an unknown index names it; got {exc}"
+            else:
+                raise AssertionError(f"BACK-7: ranges() with the unknown index 'dues' raises ValueError; it returned "
+                                     f"{got_bad!r}")
+
+        self.run_kv(kv_factory, body)
 
 
 class _IndexScores(TypedDict):

@@ -58,6 +58,7 @@ READ_OPS: dict[str, str] = {
     "outbox.get": "outbox_get",
     "outbox.list": "outbox_list",
     "outbox.due": "outbox_due",
+    "journals.due": "due",
 }
 
 
@@ -137,6 +138,16 @@ class DurabilityBackend(ABC):
     async def inbox_due(self, scope: str, *, upto: float, limit: int) -> list[str]:
         """Ids of ``leased``/``pending`` records whose lease or retry time is
         ``<= upto``, earliest first."""
+
+    async def due(self, scope: str, *, upto: float, limit: int) -> tuple[list[str], list[str]]:
+        """What one pass of the sweep reads: ``(inbox_due(...), outbox_due(...))`` with
+        the same arguments. Each list is what its method would return at some instant
+        during the call (not one snapshot of both). The default calls the two in turn;
+        :class:`~botmesh.core.kv_durability.KvDurability` asks its kv for both indexes
+        at once (:meth:`~botmesh.core.spi.DurableKv.ranges`: one round trip on a
+        server)."""
+        return (await self.inbox_due(scope, upto=upto, limit=limit),
+                await self.outbox_due(scope, upto=upto, limit=limit))
 
     # -- outbox -----------------------------------------------------------------------
     @abstractmethod

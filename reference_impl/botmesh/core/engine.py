@@ -347,7 +347,7 @@ class DurabilityRuntime(Generic[CtxT]):
             with self.clock.busy():
                 try:
                     await self.sweep()
-                except Exception as exc:  # the journal failed under the pass itself (inbox_due, outbox_due)
+                except Exception as exc:  # the journal failed under the pass itself (its read of what is due)
                     await self.bot.emit("error", {"error": exc, "stage": "sweep"})
             await self.clock.sleep(self.config.poll_ms)
 
@@ -368,11 +368,12 @@ class DurabilityRuntime(Generic[CtxT]):
         upto = math.inf if recover else self._now()
         b, scope = self.backend, self.scope
         handed_on = True  # every record found was handed on: the recovery (if this is it) is over
-        for id in await b.inbox_due(scope, upto=upto, limit=100):
+        inbox_due, outbox_due = await b.due(scope, upto=upto, limit=100)  # one read of both journals
+        for id in inbox_due:
             if id not in self._local_inbound and id not in self._replays:  # not running or queued here
                 self._replays.add(id, recover=recover)
         records: list[OutboxRecord] = []
-        for key in await b.outbox_due(scope, upto=upto, limit=100):
+        for key in outbox_due:
             try:
                 rec = await b.outbox_get(scope, key)
             except Exception as exc:

@@ -14,6 +14,7 @@ from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, KvContractError, VersionConflict
 from .records import InboxRecord, OutboxRecord
 from .spi import DurableKv, check_json_object
+from .spi_types import IndexName
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
 
@@ -25,6 +26,8 @@ _MAX_CAS_ROUNDS = 64
 _MAX_KNOWN = 1024  # known versions kept at most (the oldest go first)
 _SCAN_PAGE = 200  # records asked of one scan call when listing a journal
 _LEASED = frozenset({"leased", "sending"})
+_DUE_READS: tuple[tuple[str, IndexName], ...] = ((INBOX, "due"), (OUTBOX, "due"))
+"""The reads of :meth:`KvDurability.due`: both journals' due indexes."""
 
 
 def _inbox_indexes(rec: InboxRecord) -> tuple[float | None, float | None]:
@@ -444,3 +447,15 @@ class KvDurability(DurabilityBackend):
 
     async def outbox_due(self, scope: str, *, upto: float, limit: int) -> list[str]:
         return [key for _, key in await self.kv.range(scope, OUTBOX, "due", upto=upto, limit=limit)]
+
+    async def due(self, scope: str, *, upto: float, limit: int) -> tuple[list[str], list[str]]:
+        """Both journals' due indexes in one :meth:`~botmesh.core.spi.DurableKv.ranges`
+        call (one server round trip per sweep pass on PostgreSQL and Redis). When
+        ``inbox_due`` or ``outbox_due`` is not this class's own — a subclass or an
+        instance attribute replaced it — those are called instead, so that what they
+        answer is what the sweep sees."""
+        if (getattr(self.inbox_due, "__func__", None) is not KvDurability.inbox_due
+                or getattr(self.outbox_due, "__func__", None) is not KvDurability.outbox_due):
+            return await super().due(scope, upto=upto, limit=limit)
+        inbox, outbox = await self.kv.ranges(scope, _DUE_READS, upto=upto, limit=limit)
+        return [key for _, key in inbox], [key for _, key in outbox]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
@@ -164,6 +165,26 @@ class DurableKv(ABC):
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)``. ``upto`` may be ``float('inf')``. An ``index`` other
         than ``"due"`` and ``"expires"`` raises ``ValueError``."""
+
+    async def ranges(
+        self, scope: str, reads: Sequence[tuple[str, IndexName]], *, upto: float, limit: int
+    ) -> list[list[tuple[float, str]]]:
+        """Optional: several :meth:`range` reads of one scope with the same ``upto`` and
+        ``limit`` — ``reads`` is a sequence of ``(space, index)`` — answered together,
+        one list per read, in the order of ``reads``. Each list is exactly what
+        :meth:`range` would return for its read at some instant during the call; the
+        reads need not see one snapshot together. Each read's arguments are checked and
+        refused as :meth:`range` refuses them (reads change nothing, so a refusal after
+        some were read leaves nothing half done).
+
+        The engine's sweep reads both journals' due indexes this way at every pass
+        (:meth:`botmesh.core.kv_durability.KvDurability.due`): a kv on a server answers
+        them in one round trip (``PostgresKv``: one statement; ``RedisKv``: one
+        pipeline), so an idle bot asks its server once per ``poll_ms`` instead of
+        twice. The default calls :meth:`range` for each read in turn, which is what a
+        kv without a cheaper way should do. The conformance suite checks that the
+        lists agree with :meth:`range`."""
+        return [await self.range(scope, space, index, upto=upto, limit=limit) for space, index in reads]
 
     @abstractmethod
     async def scan(

@@ -49,6 +49,19 @@ class Statements:
                     " ORDER BY {column}, key" + (" LIMIT %s" if limited else ""),
                     column=sql.Identifier(column),
                 )
+        # two limited range reads in one statement (DurableKv.ranges: the sweep's read of
+        # both journals' due indexes), each row tagged with its read
+        self.ranges: dict[tuple[str, str], str] = {}
+        for first in ("due", "expires"):
+            for second in ("due", "expires"):
+                self.ranges[first, second] = render(
+                    "SELECT r, s, key FROM ("
+                    "(SELECT 0 AS r, {first} AS s, key FROM {table} WHERE scope = %s AND space = %s AND {first} <= %s"
+                    " ORDER BY {first}, key LIMIT %s) UNION ALL "
+                    "(SELECT 1, {second}, key FROM {table} WHERE scope = %s AND space = %s AND {second} <= %s"
+                    " ORDER BY {second}, key LIMIT %s)) AS both_reads ORDER BY r, s, key",
+                    first=sql.Identifier(first), second=sql.Identifier(second),
+                )
         self.scan: dict[tuple[bool, bool], str] = {}
         for after in (False, True):
             for limited in (False, True):

@@ -139,7 +139,7 @@ import select
 import socket
 import weakref
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -541,6 +541,30 @@ class PostgresKv(DurableKv):
         if not limited:
             rows = rows[:limit]
         return [(float(score), key) for score, key in rows]
+
+    async def ranges(
+        self, scope: str, reads: Sequence[tuple[str, IndexName]], *, upto: float, limit: int
+    ) -> list[list[tuple[float, str]]]:
+        """Two range reads (the sweep's) in one statement, one round trip: each read a
+        limited ``SELECT`` of its own, tagged, ``UNION ALL``. Any other number of reads,
+        or a ``limit`` SQL's ``LIMIT`` cannot take, is read with :meth:`range` in turn."""
+        if len(reads) != 2 or not _limit_sql(limit):
+            return await super().ranges(scope, reads, upto=upto, limit=limit)
+        (space1, index1), (space2, index2) = reads
+        upper = check_range(scope, space1, upto)
+        check_range(scope, space2, upto)
+        columns = (check_index(index1), check_index(index2))
+        s = self._statements("range")
+        params = (scope, space1, upper, limit, scope, space2, upper, limit)
+
+        async def work(conn: Conn) -> list[Any]:
+            cursor = await conn.execute(s.ranges[columns], params)
+            return await cursor.fetchall()
+
+        out: list[list[tuple[float, str]]] = [[], []]
+        for read, score, key in await self._run("range", work):
+            out[read].append((float(score), key))
+        return out
 
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100

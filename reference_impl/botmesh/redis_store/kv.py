@@ -227,6 +227,15 @@ end
 return out
 """
 
+_RANGES_LUA = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[i] = redis.call('ZRANGEBYSCORE', key, '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
+end
+return out
+"""
+"""Several ``ZRANGEBYSCORE ... WITHSCORES LIMIT 0 n`` reads in one command (:meth:`RedisKv.ranges`)."""
+
 
 # -- key layout --------------------------------------------------------------------------
 
@@ -520,6 +529,7 @@ class RedisKv(DurableKv):
             "put": client.register_script(_PUT_LUA),
             "delete": client.register_script(_DELETE_LUA),
             "scan": client.register_script(_SCAN_LUA),
+            "ranges": client.register_script(_RANGES_LUA),
         }
 
     async def open(self) -> None:
@@ -731,6 +741,29 @@ class RedisKv(DurableKv):
         )
         result = [(float(score), _s(member)) for member, score in cast(list[tuple[bytes, float]], rows)]
         return result if exact else result[:limit]
+
+    async def ranges(
+        self, scope: str, reads: Sequence[tuple[str, IndexName]], *, upto: float, limit: int
+    ) -> list[list[tuple[float, str]]]:
+        """Several range reads in one round trip on a standalone server: one script runs
+        their ``ZRANGEBYSCORE`` commands (scores as Redis prints them, as
+        :meth:`range` reads them). On a Cluster — the reads' keys are in different hash
+        slots — or with a ``limit`` Redis cannot take, :meth:`range` for each read in
+        turn."""
+        exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+        if not exact or isinstance(self._live_client(), RedisCluster):
+            return await super().ranges(scope, reads, upto=upto, limit=limit)
+        names = []
+        upper = math.inf
+        for space, index in reads:
+            upper = check_range(scope, space, upto)
+            names.append(self.keys_of(scope, space)[check_index(index)])  # ValueError for an unknown name
+        if not names:
+            return []
+        top = "+inf" if upper == math.inf else ("-inf" if upper == -math.inf else repr(upper))
+        args = [top, str(limit)]
+        replies = await self._call("range", lambda c, s: s["ranges"](keys=names, args=args))
+        return [[(float(flat[i + 1]), _s(flat[i])) for i in range(0, len(flat), 2)] for flat in replies]
 
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100

@@ -47,6 +47,7 @@ import json
 import os
 import sqlite3
 import threading
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..core.errors import BackendUnavailableError, VersionConflict
@@ -58,6 +59,12 @@ from ._integrity import check_row, row_crc
 
 _ROW = "scope, space, key, value, version, due, expires, crc"
 """The columns :func:`~._integrity.check_row` checks, in its order."""
+_RANGE_SQL = {
+    column: f"SELECT {column}, {_ROW} FROM durable WHERE scope = ? AND space = ? AND {column} IS NOT NULL"
+            f" AND {column} <= ? ORDER BY {column}, key"
+    for column in ("due", "expires")
+}
+"""A range read of each index (its rows whole: each is checked against its checksum)."""
 _VALUE_ENCODER = json.JSONEncoder(allow_nan=False)
 """``json.dumps(value, allow_nan=False)``'s encoder, built once (json.dumps with an option
 builds one per call): the text a value is stored as."""
@@ -294,23 +301,28 @@ class SQLiteKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)``."""
-        upto = check_range(scope, space, upto)
-        column = check_index(index)  # ValueError for an unknown name
-        sql = (
-            f"SELECT {column}, {_ROW} FROM durable"
-            f" WHERE scope = ? AND space = ? AND {column} IS NOT NULL AND {column} <= ?"
-            f" ORDER BY {column}, key"
-        )
+        return (await self.ranges(scope, ((space, index),), upto=upto, limit=limit))[0]
+
+    async def ranges(
+        self, scope: str, reads: Sequence[tuple[str, IndexName]], *, upto: float, limit: int
+    ) -> list[list[tuple[float, str]]]:
+        """Several range reads under one hold of the kv's lock, one turn of the loop
+        for all of them (each its own ``SELECT``: they need not share a snapshot)."""
+        plan = []
+        for space, index in reads:
+            upper = check_range(scope, space, upto)
+            plan.append((_RANGE_SQL[check_index(index)], (scope, space, upper)))  # ValueError for an unknown name
         with self._lock:
             conn = self._connection()
             try:
-                rows = self._limited(conn, sql, (scope, space, upto), limit)
+                found = [self._limited(conn, sql, params, limit) for sql, params in plan]
             except sqlite3.Error as exc:
                 raise unavailable(self._file, exc, "range") from exc
-        for row in rows:
-            check_row(self._file, row[1:])
+        for rows in found:
+            for row in rows:
+                check_row(self._file, row[1:])
         await asyncio.sleep(0)
-        return [(float(row[0]), row[3]) for row in rows]
+        return [[(float(row[0]), row[3]) for row in rows] for rows in found]
 
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100
