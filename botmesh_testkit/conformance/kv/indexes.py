@@ -198,9 +198,12 @@ class IndexTests(KvSuiteBase):
 
         def expected(space: str, index: IndexName, upto: float, limit: int) -> list[tuple[float, str]]:
             pos = 0 if index == "due" else 1
-            entries = sorted((scores[pos], key) for (sp, key), scores in data.items()
-                             if sp == space and scores[pos] is not None and scores[pos] <= upto)  # type: ignore[operator]
-            return [(float(score), key) for score, key in entries][:limit]
+            entries: list[tuple[float, str]] = []
+            for (sp, key), scores in data.items():
+                score = scores[pos]
+                if sp == space and score is not None and score <= upto:
+                    entries.append((float(score), key))
+            return sorted(entries)[:limit]
 
         async def body(kv: DurableKv, s: Scopes) -> None:
             for (space, key), (due, expires) in data.items():
