@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
 from botmesh.core.errors import VersionConflict
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.memory import MemoryKv
-from botmesh.core.records import InboxRecord, OutboxRecord
+from botmesh.core.records import InboxRecord, OutboxRecord, _container_names, _Record
 from botmesh.core.spi import Versioned
 
 T = TypeVar("T")
@@ -404,3 +405,62 @@ def test_a_record_is_stored_as_its_fields_in_order_then_its_extra_fields() -> No
     value = odd.to_json()
     assert "not_a_field" not in value and list(value) == list(_field_names(InboxRecord)), list(value)
     assert InboxRecord.from_json(value) == leased_inbox()
+
+
+@dataclass
+class _Probe(_Record):
+    """A record class of the test's own: one field that may hold a list, scalars beside it."""
+
+    name: str = ""
+    tags: list[str] | None = None
+    n: int | None = None
+    ratio: float = 0.0
+
+
+def _shared_containers(a: Any, b: Any) -> list[str]:
+    """The paths at which ``a`` and ``b`` hold the very same dict or list object."""
+    found: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, (dict, list)) and x is y:
+            found.append(path or "(top)")
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in x.keys() & y.keys():
+                walk(x[k], y[k], f"{path}/{k}")
+        elif isinstance(x, list) and isinstance(y, list):
+            for i, (u, v) in enumerate(zip(x, y, strict=False)):
+                walk(u, v, f"{path}[{i}]")
+
+    walk(a, b, "")
+    return found
+
+
+@spec("BACK-7")
+def test_the_known_copy_of_a_record_equals_a_full_copy_and_shares_nothing() -> None:
+    """The copy the engine keeps of each record it wrote (``json_copy``, issue 16: the top
+    level copied as it is, only the fields that may hold a container copied deep) is equal
+    to :func:`check_json_object`'s full copy and shares no dict or list with the value it
+    copies — for plain records, records with extra fields a newer version wrote, a
+    container holding what JSON converts (a tuple), and a field typed as a list."""
+    from botmesh.core.spi import check_json_object
+
+    inbox, outbox = leased_inbox(), sending_outbox()
+    newer = sending_outbox()
+    newer.extra = {"newer": {"n": [1, {"deep": True}]}}
+    odd = leased_inbox()
+    odd.event = {"id": "in-1", "pair": (1, 2), "data": {"n": [1]}}  # a tuple: JSON makes it a list
+    cases: list[tuple[type[_Record], dict[str, Any]]] = [
+        (InboxRecord, inbox.to_json()), (OutboxRecord, outbox.to_json()), (OutboxRecord, newer.to_json()),
+        (InboxRecord, odd.to_json()), (_Probe, _Probe(name="p", tags=["a", "b"], n=3).to_json()),
+        (_Probe, _Probe(name="q").to_json()),
+    ]
+    for cls, value in cases:
+        copied = cls.json_copy(value)
+        assert copied == check_json_object(value), (cls.__name__, copied)
+        assert not _shared_containers(copied, value), (cls.__name__, _shared_containers(copied, value))
+    assert InboxRecord.json_copy(odd.to_json())["event"]["pair"] == [1, 2]
+    # which fields may hold a container is read from the annotations: a new field typed
+    # as a list or dict is copied deep without anyone listing it
+    assert _container_names(InboxRecord) == ("event",)
+    assert _container_names(OutboxRecord) == ("content",)
+    assert _container_names(_Probe) == ("tags",)

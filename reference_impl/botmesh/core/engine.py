@@ -107,6 +107,7 @@ class DurabilityRuntime(Generic[CtxT]):
         self.config = config
         self.backend: DurabilityBackend = config.backend
         self.clock = bot.clock
+        self._now: Callable[[], float] = self.clock.now  # the bot's clock for good: bound once (issue 16)
         self.scope = derive_scope(bot.tenant_id, bot.environment_id, bot.bot_id, bot.connection_id)
         if config.instance_id is not None:
             self.instance_id = config.instance_id
@@ -189,9 +190,6 @@ class DurabilityRuntime(Generic[CtxT]):
 
     def _count(self, name: str, n: int = 1) -> None:
         self._metrics[name] += n
-
-    def _now(self) -> float:
-        return self.clock.now()
 
     def _expires(self) -> float | None:
         r = self.config.retention_ms

@@ -108,20 +108,23 @@ class KvDurability(DurabilityBackend):
         return _outbox_indexes(record)
 
     # -- known versions ------------------------------------------------------------------
-    def _know(self, scope: str, space: str, key: str, version: int, state: str, value: dict[str, Any]) -> None:
-        """Keep ``value`` (the record as written) as the value of ``key`` at ``version``
-        after our own CAS wrote it — only while it holds a lease (``leased``/``sending``:
-        the records whose next write is ours and near) — so the next transition needs no
-        read. Kept as a copy of its own (:func:`~botmesh.core.spi.check_json_object`), so
-        nothing the caller does to its records can change it; a transition takes it (it
-        is never handed out while known)."""
+    def _know(self, scope: str, space: str, key: str, version: int, record: InboxRecord | OutboxRecord,
+              value: dict[str, Any]) -> None:
+        """Keep ``value`` (``record`` as written, its ``to_json()``) as the value of
+        ``key`` at ``version`` after our own CAS wrote it — only while it holds a lease
+        (``leased``/``sending``: the records whose next write is ours and near) — so the
+        next transition needs no read. Kept as a copy of its own
+        (:meth:`~botmesh.core.records._Record.json_copy`), so nothing the caller does to
+        its records can change it; a transition takes it (it is never handed out while
+        known)."""
+        state = record.state
         k = (scope, space, key)
         self._known.pop(k, None)  # re-inserted last: the oldest entry is evicted first
         if state not in _LEASED:
             return
         if len(self._known) >= _MAX_KNOWN:
             del self._known[next(iter(self._known))]
-        self._known[k] = (version, check_json_object(value))
+        self._known[k] = (version, type(record).json_copy(value))
 
     def _forget(self, scope: str, space: str, key: str) -> None:
         self._known.pop((scope, space, key), None)
@@ -176,7 +179,7 @@ class KvDurability(DurabilityBackend):
                 await self._put(scope, space, key, value, version, *indexes(new))
             except VersionConflict:
                 continue
-            self._know(scope, space, key, version + 1, new.state, value)
+            self._know(scope, space, key, version + 1, new, value)
             return new
         raise DurabilityError(f"{space}/{key}: gave up after {_MAX_CAS_ROUNDS} conflicting writes")
 
@@ -229,7 +232,7 @@ class KvDurability(DurabilityBackend):
                 if conflict.current is not None:  # the record found by the failed create itself: no read
                     return type(record).from_json(conflict.current.value), False
             else:
-                self._know(scope, space, key, 1, record.state, value)
+                self._know(scope, space, key, 1, record, value)
                 return record, True
             found = await self.kv.get(scope, space, key)
             if found is not None:
