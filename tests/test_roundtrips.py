@@ -353,15 +353,18 @@ def _count_kv_calls(kv: DurableKv) -> Counter[str]:
     return counts
 
 
-async def _per_message(backend: str, messages: int = 20) -> tuple[float, float, Counter[str]]:
-    """Round trips that ran something per message, kv calls per message and the kv calls,
-    for a bot replying once per message (one chat) on ``backend`` through a proxy."""
+@contextlib.asynccontextmanager
+async def counted_bot(backend: str, pool_size: int) -> AsyncIterator[tuple[Bot, MockProvider, KvDurability, CountingProxy]]:
+    """A started bot replying ``ok`` to every message, its durability on ``backend``
+    through a fresh counting proxy (PostgreSQL: a pool of ``pool_size`` connections), its
+    sweep's background pass run once at start and not again for an hour; stopped, and
+    its table / keys removed, at the end."""
     if backend == "postgres":
         proxy = CountingProxy(*_host_port(PG_URL, 5432), protocol="postgres")
         await proxy.start()
         prefix = f"rt_{uuid.uuid4().hex[:8]}_"
         durability: KvDurability = PostgresDurability(
-            connection_string=proxy.url_for(PG_URL), table_prefix=prefix, min_size=2, max_size=2
+            connection_string=proxy.url_for(PG_URL), table_prefix=prefix, min_size=pool_size, max_size=pool_size
         )
     else:
         proxy = CountingProxy(*_host_port(REDIS_URL, 6379), protocol="redis")
@@ -381,6 +384,18 @@ async def _per_message(backend: str, messages: int = 20) -> tuple[float, float, 
     bot.otherwise(handler)
     await bot.start()
     try:
+        yield bot, provider, durability, proxy
+    finally:
+        await bot.stop()
+        await proxy.stop()
+        await (_drop_table(prefix) if backend == "postgres" else _drop_keys(prefix))
+    assert not errors, errors
+
+
+async def _per_message(backend: str, messages: int = 20) -> tuple[float, float, Counter[str]]:
+    """Round trips that ran something per message, kv calls per message and the kv calls,
+    for a bot replying once per message (one chat) on ``backend`` through a proxy."""
+    async with counted_bot(backend, 2) as (_, provider, durability, proxy):
         for i in range(10):  # warm-up: connections open, statements prepared, scripts loaded
             await provider.receive("chat", "hi", id=f"warm-{i}")
         calls = _count_kv_calls(durability.kv)
@@ -389,11 +404,6 @@ async def _per_message(backend: str, messages: int = 20) -> tuple[float, float, 
             await provider.receive("chat", "hi", id=f"msg-{i}")
         counted = proxy.reset_counts()
         kv_calls = Counter(calls)
-    finally:
-        await bot.stop()
-        await proxy.stop()
-        await (_drop_table(prefix) if backend == "postgres" else _drop_keys(prefix))
-    assert not errors, errors
     assert len(provider.sent) == 10 + messages
     loads = counted.commands["SCRIPT"]  # redis-py: NOSCRIPT, then SCRIPT LOAD and EVALSHA again
     return (counted.executing - 2 * loads) / messages, sum(kv_calls.values()) / messages, kv_calls
@@ -424,25 +434,7 @@ async def test_an_idle_sweep_pass_is_one_round_trip(backend: str) -> None:
     """A pass of the engine's sweep that finds nothing due reads both journals' due
     indexes in ONE round trip (``DurableKv.ranges``: one statement on PostgreSQL, one
     script on Redis): an idle bot asks its server once per ``poll_ms``, not twice."""
-    if backend == "postgres":
-        proxy = CountingProxy(*_host_port(PG_URL, 5432), protocol="postgres")
-        await proxy.start()
-        prefix = f"rt_{uuid.uuid4().hex[:8]}_"
-        durability: KvDurability = PostgresDurability(
-            connection_string=proxy.url_for(PG_URL), table_prefix=prefix, min_size=1, max_size=1
-        )
-    else:
-        proxy = CountingProxy(*_host_port(REDIS_URL, 6379), protocol="redis")
-        await proxy.start()
-        prefix = f"rt{uuid.uuid4().hex[:8]}"
-        durability = RedisDurability(url=proxy.url_for(REDIS_URL), prefix=prefix)
-    provider = MockProvider()
-    # passes run by hand below; the background one runs once at start (it purges then,
-    # and not again for a minute)
-    bot = Bot(provider, store=MemoryStore(), durability={"backend": durability, "poll_ms": 3_600_000})
-    bot.otherwise(lambda ctx: ctx.reply("ok"))
-    await bot.start()
-    try:
+    async with counted_bot(backend, 1) as (bot, provider, _, proxy):
         await provider.receive("chat", "hi", id="m1")  # settled records in both journals: nothing due
         runtime = bot.durability
         assert runtime is not None
@@ -452,10 +444,6 @@ async def test_an_idle_sweep_pass_is_one_round_trip(backend: str) -> None:
         for _ in range(10):
             await runtime.sweep()
         counted = proxy.reset_counts()
-    finally:
-        await bot.stop()
-        await proxy.stop()
-        await (_drop_table(prefix) if backend == "postgres" else _drop_keys(prefix))
     assert counted.round_trips == 10, f"{backend}: 10 idle passes took {counted.round_trips} round trips ({counted})"
     if backend == "redis":
         assert counted.commands == Counter({"EVALSHA": 10}), counted.commands
