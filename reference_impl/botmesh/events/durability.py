@@ -23,6 +23,7 @@ counts them; ``benchmarks/events_journal.py`` measures it).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 from botmesh.core.errors import BackendUnavailableError, ConfigError, VersionConflict
@@ -36,6 +37,14 @@ from .shared import SharedFileEventJournal
 
 __all__ = ["EventJournalKv", "EventsDurability", "events_durability"]
 
+
+
+def _index_entries(txn: Txn, scope: str, space: str, pos: int, upto: float, limit: int) -> list[tuple[float, str]]:
+    """``range``'s answer from the journal's state: the entries ``(score, key)`` of the
+    index at ``pos`` of each entry (2: due, 3: expires) up to ``upto``, ascending, cut
+    to ``limit``."""
+    entries = sorted((e[pos], k) for k, e in txn.items(scope, space) if e[pos] is not None and e[pos] <= upto)  # type: ignore[operator]
+    return [(float(score), k) for score, k in entries[:limit]]  # type: ignore[arg-type]
 
 class EventJournalKv(DurableKv):
     """The :class:`DurableKv` of :func:`events_durability` over an open journal (or, made
@@ -162,11 +171,25 @@ class EventJournalKv(DurableKv):
         if side is not None:
             return await side.range(scope, space, index, upto=upto, limit=limit)
 
-        def op(txn: Txn) -> list[tuple[float, str]]:
-            entries = sorted((e[pos], k) for k, e in txn.items(scope, space) if e[pos] is not None and e[pos] <= upto)  # type: ignore[operator]
-            return [(float(score), k) for score, k in entries[:limit]]  # type: ignore[arg-type]
+        result: list[tuple[float, str]] = await self._journal().run(
+            lambda txn: _index_entries(txn, scope, space, pos, upto, limit), write=False)
+        return result
 
-        result: list[tuple[float, str]] = await self._journal().run(op, write=False)
+    async def ranges(self, scope: str, reads: Sequence[tuple[str, IndexName]], *, upto: float, limit: int
+                     ) -> list[list[tuple[float, str]]]:
+        """Several range reads in one read of the journal (one catch-up with the other
+        processes' events on a shared one); reads of an ``outbox`` kept elsewhere go to
+        it, read by read."""
+        plan: list[tuple[str, IndexName, int, float]] = []  # (space, index, its column, upto)
+        for space, index in reads:
+            upper = check_range(scope, space, upto)
+            plan.append((space, index, 2 if check_index(index) == "due" else 3, upper))
+        if any(self._side(space) is not None for space, _, _, _ in plan):
+            return await super().ranges(scope, reads, upto=upto, limit=limit)
+
+        result: list[list[tuple[float, str]]] = await self._journal().run(
+            lambda txn: [_index_entries(txn, scope, space, pos, upper, limit) for space, _, pos, upper in plan],
+            write=False)
         return result
 
     async def scan(self, scope: str, space: str, *, after: str | None = None, limit: int = 100
