@@ -39,7 +39,7 @@ passed; rate = timed ops / wall time until the last task is done:
   of a ~300-byte text, autocommit, psycopg 3 ``AsyncConnection`` (the driver the backend
   uses), one connection per task;
 * Redis (a): ``EVALSHA`` of the backend's own compare-and-set script
-  (``botmesh.redis_store.kv._PUT_LUA``: create a record with a ~300-byte value and its
+  (``botmesh.redis_store._lua.PUT``: create a record with a ~300-byte value and its
   ``due`` index entry), redis-py asyncio, one connection per task;
 * both (b): ``put(..., expected_version=0, due=...)`` of the backend's own kv
   (``PostgresKv`` / ``RedisKv``, a fresh key each time) called directly in a loop: the
@@ -399,7 +399,7 @@ class RedisServer(Server):
 
     async def raw(self, prefix: str, conns: int, seconds: float) -> tuple[int, float, float]:
         from botmesh.redis_store import scope_keys
-        from botmesh.redis_store.kv import _PUT_LUA
+        from botmesh.redis_store._lua import PUT as _PUT_LUA
 
         client = self._client()
         value = json.dumps(RAW_RECORD, separators=(",", ":"))

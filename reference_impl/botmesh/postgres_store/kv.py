@@ -551,15 +551,12 @@ class PostgresKv(DurableKv):
         if len(reads) != 2 or not _limit_sql(limit):
             return await super().ranges(scope, reads, upto=upto, limit=limit)
         (space1, index1), (space2, index2) = reads
-        upper = check_range(scope, space1, upto)
-        check_range(scope, space2, upto)
-        columns = (check_index(index1), check_index(index2))
-        s = self._statements("range")
+        upper, _ = check_range(scope, space1, upto), check_range(scope, space2, upto)
+        statement = self._statements("range").ranges[check_index(index1), check_index(index2)]
         params = (scope, space1, upper, limit, scope, space2, upper, limit)
 
         async def work(conn: Conn) -> list[Any]:
-            cursor = await conn.execute(s.ranges[columns], params)
-            return await cursor.fetchall()
+            return await (await conn.execute(statement, params)).fetchall()
 
         out: list[list[tuple[float, str]]] = [[], []]
         for read, score, key in await self._run("range", work):

@@ -129,6 +129,7 @@ from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptEr
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object, encode_checked
 from ._driver import driver_options
+from ._lua import DELETE, PUT, RANGES, SCAN
 from ._pipeline import AutoPipeline
 
 __all__ = [
@@ -167,75 +168,6 @@ _NEW, _OPEN, _CLOSED = "new", "open", "closed"
 _PERSISTENCE_SETTINGS = ("appendonly", "appendfsync")
 """What :meth:`RedisKv.durability_settings` reads: whether the server keeps an
 append-only file, and when it fsyncs it."""
-
-# -- Lua ------------------------------------------------------------------------------------
-# KEYS: 1 records hash, 2 due zset, 3 expires zset, 4 keys zset (all one hash tag).
-# The stored text starts with {"version":<n>, -- written only by PUT below.
-_VERSION_OF = """
-local function version_of(text)
-  if not text then return 0 end
-  local v = string.match(text, '^{"version":(%d+),')
-  if not v then return redis.error_reply('botmesh: malformed record in ' .. KEYS[1]) end
-  return tonumber(v)
-end
-"""
-
-# ARGV: 1 key, 2 expected version, 3 value JSON, 4 due score or "", 5 expires score or "".
-# Returns {1, new version} or {0, current version, current record text if it exists}.
-_PUT_LUA = _VERSION_OF + """
-local text = redis.call('HGET', KEYS[1], ARGV[1])
-local current = version_of(text)
-if type(current) == 'table' then return current end
-if current ~= tonumber(ARGV[2]) then
-  if text then return {0, current, text} end
-  return {0, current}
-end
-local new = current + 1
-redis.call('HSET', KEYS[1], ARGV[1], '{"version":' .. string.format('%d', new) .. ',"value":' .. ARGV[3] .. '}')
-if ARGV[4] == '' then redis.call('ZREM', KEYS[2], ARGV[1]) else redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1]) end
-if ARGV[5] == '' then redis.call('ZREM', KEYS[3], ARGV[1]) else redis.call('ZADD', KEYS[3], ARGV[5], ARGV[1]) end
-redis.call('ZADD', KEYS[4], 0, ARGV[1])
-return {1, new}
-"""
-
-# ARGV: 1 key, 2 expected version. Returns {1, version} or as _PUT_LUA (0: absent).
-_DELETE_LUA = _VERSION_OF + """
-local text = redis.call('HGET', KEYS[1], ARGV[1])
-local current = version_of(text)
-if type(current) == 'table' then return current end
-if current == 0 then return {0, 0} end
-if current ~= tonumber(ARGV[2]) then return {0, current, text} end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-return {1, current}
-"""
-
-# KEYS: 1 records hash, 2 keys zset. ARGV: 1 ZRANGEBYLEX min ("-" or "(" .. after),
-# 2 count (-1: all). Returns {key1, record1, key2, record2, ...} in key byte order.
-_SCAN_LUA = """
-local keys = redis.call('ZRANGEBYLEX', KEYS[2], ARGV[1], '+', 'LIMIT', 0, tonumber(ARGV[2]))
-local out = {}
-for _, k in ipairs(keys) do
-  local record = redis.call('HGET', KEYS[1], k)
-  if record then
-    out[#out + 1] = k
-    out[#out + 1] = record
-  end
-end
-return out
-"""
-
-_RANGES_LUA = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  out[i] = redis.call('ZRANGEBYSCORE', key, '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
-end
-return out
-"""
-"""Several ``ZRANGEBYSCORE ... WITHSCORES LIMIT 0 n`` reads in one command (:meth:`RedisKv.ranges`)."""
-
 
 # -- key layout --------------------------------------------------------------------------
 
@@ -526,10 +458,10 @@ class RedisKv(DurableKv):
     @staticmethod
     def _register(client: RedisClient) -> dict[str, Any]:
         return {
-            "put": client.register_script(_PUT_LUA),
-            "delete": client.register_script(_DELETE_LUA),
-            "scan": client.register_script(_SCAN_LUA),
-            "ranges": client.register_script(_RANGES_LUA),
+            "put": client.register_script(PUT),
+            "delete": client.register_script(DELETE),
+            "scan": client.register_script(SCAN),
+            "ranges": client.register_script(RANGES),
         }
 
     async def open(self) -> None:
