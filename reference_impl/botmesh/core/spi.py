@@ -180,7 +180,7 @@ class DurableKv(ABC):
         The engine's sweep reads both journals' due indexes this way at every pass
         (:meth:`botmesh.core.kv_durability.KvDurability.due`): a kv on a server answers
         them in one round trip (``PostgresKv``: one statement; ``RedisKv``: one
-        pipeline), so an idle bot asks its server once per ``poll_ms`` instead of
+        script), so an idle bot asks its server once per ``poll_ms`` instead of
         twice. The default calls :meth:`range` for each read in turn, which is what a
         kv without a cheaper way should do. The conformance suite checks that the
         lists agree with :meth:`range`."""

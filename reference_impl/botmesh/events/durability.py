@@ -38,13 +38,13 @@ from .shared import SharedFileEventJournal
 __all__ = ["EventJournalKv", "EventsDurability", "events_durability"]
 
 
-
 def _index_entries(txn: Txn, scope: str, space: str, pos: int, upto: float, limit: int) -> list[tuple[float, str]]:
     """``range``'s answer from the journal's state: the entries ``(score, key)`` of the
     index at ``pos`` of each entry (2: due, 3: expires) up to ``upto``, ascending, cut
     to ``limit``."""
     entries = sorted((e[pos], k) for k, e in txn.items(scope, space) if e[pos] is not None and e[pos] <= upto)  # type: ignore[operator]
     return [(float(score), k) for score, k in entries[:limit]]  # type: ignore[arg-type]
+
 
 class EventJournalKv(DurableKv):
     """The :class:`DurableKv` of :func:`events_durability` over an open journal (or, made
