@@ -43,7 +43,6 @@ backoff, so a correct backend always settles; a broken one that never settles is
 after it."""
 
 
-
 class World:
     """Successive bots on one backend, one channel, one virtual clock.
 

@@ -176,7 +176,6 @@ class IndexTests(KvSuiteBase):
 
         self.run_kv(kv_factory, body)
 
-
     @pytest.mark.spec("BACK-7")
     def test_ranges_answers_each_read_as_range_does(self, kv_factory: KvFactory) -> None:
         """BACK-7: ``ranges`` — several range reads at once, what the engine's sweep

@@ -44,17 +44,16 @@ class _Record:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # The field names of each record class, taken once (``dataclasses.fields`` per call
-    # was a good part of a journal write's cost): class -> names, and the same as a set.
-    _names: ClassVar[dict[type, tuple[tuple[str, ...], frozenset[str]]]] = {}
-
-    _containers: ClassVar[dict[type, tuple[str, ...]]] = {}
+    # was a good part of a journal write's cost): class -> names, the same as a set, and
+    # the fields that may hold a container (:func:`_container_names`).
+    _names: ClassVar[dict[type, tuple[tuple[str, ...], frozenset[str], tuple[str, ...]]]] = {}
 
     @classmethod
-    def _fields(cls) -> tuple[tuple[str, ...], frozenset[str]]:
+    def _fields(cls) -> tuple[tuple[str, ...], frozenset[str], tuple[str, ...]]:
         found = _Record._names.get(cls)
         if found is None:
             names = _field_names(cls)
-            found = _Record._names[cls] = (names, frozenset(names))
+            found = _Record._names[cls] = (names, frozenset(names), _container_names(cls))
         return found
 
     @classmethod
@@ -68,10 +67,8 @@ class _Record:
         container field that is not a dict, is copied whole by ``check_json_object``.
         About a third of a full copy's cost (issue 16: the engine keeps such a copy of
         each record it wrote while it holds its lease)."""
-        containers = _Record._containers.get(cls)
-        if containers is None:
-            containers = _Record._containers[cls] = _container_names(cls)
-        if len(data) != len((_Record._names.get(cls) or cls._fields())[0]):
+        fields, _, containers = _Record._names.get(cls) or cls._fields()
+        if len(data) != len(fields):
             return check_json_object(data)
         out = data.copy()
         for name in containers:
@@ -98,7 +95,7 @@ class _Record:
 
     @classmethod
     def from_json(cls: type[R], data: dict[str, Any]) -> R:
-        fields, names = _Record._names.get(cls) or cls._fields()
+        fields, names, _ = _Record._names.get(cls) or cls._fields()
         if len(data) == len(fields) and names.issuperset(data):
             # every field and nothing else (what to_json of a record without extra
             # gives): the values as they are, without __init__'s keyword matching

@@ -180,15 +180,15 @@ class EventJournalKv(DurableKv):
         """Several range reads in one read of the journal (one catch-up with the other
         processes' events on a shared one); reads of an ``outbox`` kept elsewhere go to
         it, read by read."""
-        plan: list[tuple[str, IndexName, int, float]] = []  # (space, index, its column, upto)
+        plan: list[tuple[str, int, float]] = []  # (space, the index's position in an entry, upto)
         for space, index in reads:
             upper = check_range(scope, space, upto)
-            plan.append((space, index, 2 if check_index(index) == "due" else 3, upper))
-        if any(self._side(space) is not None for space, _, _, _ in plan):
+            plan.append((space, 2 if check_index(index) == "due" else 3, upper))
+        if any(self._side(space) is not None for space, _, _ in plan):
             return await super().ranges(scope, reads, upto=upto, limit=limit)
 
         result: list[list[tuple[float, str]]] = await self._journal().run(
-            lambda txn: [_index_entries(txn, scope, space, pos, upper, limit) for space, _, pos, upper in plan],
+            lambda txn: [_index_entries(txn, scope, space, pos, upper, limit) for space, pos, upper in plan],
             write=False)
         return result
 
