@@ -9,14 +9,14 @@ raw ``put`` on the kv. Async code runs through ``asyncio.run`` inside plain test
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
 from botmesh.core.errors import VersionConflict
 from botmesh.core.kv_durability import KvDurability
-from botmesh.core.memory import MemoryKv
+from botmesh.core.memory import MemoryDurability, MemoryKv
 from botmesh.core.records import InboxRecord, OutboxRecord, _container_names, _Record
 from botmesh.core.spi import Versioned
 
@@ -59,6 +59,26 @@ def sending_outbox(key: str = "in-1:1", owner: str = "a") -> OutboxRecord:
     )
 
 
+Make = Callable[[MemoryKv], KvDurability]
+
+
+@pytest.fixture(params=["KvDurability", "MemoryDurability"])
+def make(request: pytest.FixtureRequest) -> Make:
+    """Both ways a durability writes over a MemoryKv: ``KvDurability`` (``kv.put``, the
+    known copy made apart) and ``MemoryDurability`` (``put_owned``: the record's
+    ``private_json`` kept by the kv and shared with the known versions, issue 16)."""
+    if request.param == "KvDurability":
+        return KvDurability
+
+    def memory(kv: MemoryKv) -> KvDurability:
+        d = MemoryDurability(kv)
+        owned = type(kv).put is MemoryKv.put
+        assert (d._put_owned is not None) == owned, f"{type(kv).__name__}: put_owned used {not owned}"
+        return d
+
+    return memory
+
+
 async def raw_change(kv: MemoryKv, space: str, key: str, **changes: Any) -> int:
     """Another writer: read, change fields, CAS on the version read."""
     found = await kv.get(SCOPE, space, key)
@@ -67,14 +87,14 @@ async def raw_change(kv: MemoryKv, space: str, key: str, **changes: Any) -> int:
 
 
 @spec("BACK-7")
-def test_the_message_path_writes_without_reading() -> None:
+def test_the_message_path_writes_without_reading(make: Make) -> None:
     """A journal write then the transition of the same record (the inbound's
     completion, the send's ``mark_sent``): no read in between — the reason the known
     versions exist. Every write still lands as a CAS (the versions count them)."""
 
     async def body() -> None:
         kv = CountingKv()
-        d = KvDurability(kv)
+        d = make(kv)
         _, created = await d.inbox_journal(SCOPE, leased_inbox())
         assert created
         _, created = await d.outbox_journal(SCOPE, sending_outbox())
@@ -106,14 +126,14 @@ class ReportingKv(CountingKv):
 
 
 @spec("INB-4", "OUT-2", "BACK-7")
-def test_a_journal_write_of_an_existing_record_returns_what_the_conflict_reported() -> None:
+def test_a_journal_write_of_an_existing_record_returns_what_the_conflict_reported(make: Make) -> None:
     """A journal write that finds the key taken (a redelivery, a send journaled again)
     returns the stored record, not the one given: from the ``VersionConflict``'s
     ``current`` when the kv reports it (no read), else from a read."""
 
     async def body() -> None:
         for kv, reads in ((ReportingKv(), 0), (CountingKv(), 1)):
-            d, other = KvDurability(kv), KvDurability(kv)
+            d, other = make(kv), make(kv)
             stored = leased_inbox(owner="b")
             await other.inbox_journal(SCOPE, stored)
             found, created = await d.inbox_journal(SCOPE, leased_inbox(owner="a"))
@@ -162,14 +182,14 @@ def test_a_listing_stops_at_a_short_page_and_pages_through_full_ones(monkeypatch
 
 
 @spec("BACK-7", "LEASE-2")
-def test_a_stale_known_version_is_retried_from_a_fresh_read_and_keeps_the_other_update() -> None:
+def test_a_stale_known_version_is_retried_from_a_fresh_read_and_keeps_the_other_update(make: Make) -> None:
     """Another writer changed the record after this instance's last write (a field this
     instance's transition keeps): the write from the known version fails its CAS and is
     done again from a fresh read — the other writer's field survives (no lost update)."""
 
     async def body() -> None:
         kv = CountingKv()
-        d = KvDurability(kv)
+        d = make(kv)
         await d.inbox_journal(SCOPE, leased_inbox())
         await raw_change(kv, "inbox", "in-1", note="written by another process", lease_until=NOW + 2 * LEASE)
         gets = kv.gets
@@ -185,14 +205,14 @@ def test_a_stale_known_version_is_retried_from_a_fresh_read_and_keeps_the_other_
 
 
 @spec("LEASE-2")
-def test_an_owner_whose_lease_was_taken_over_cannot_complete_with_its_known_version() -> None:
+def test_an_owner_whose_lease_was_taken_over_cannot_complete_with_its_known_version(make: Make) -> None:
     """Instance A journals (and knows) the record; its lease expires and instance B takes
     it over with a larger token. A's completion from its known version is refused —
     the CAS fails, the fresh read shows B's token — and B's lease stands."""
 
     async def body() -> None:
         kv = MemoryKv()
-        a, b = KvDurability(kv), KvDurability(kv)
+        a, b = make(kv), make(kv)
         await a.inbox_journal(SCOPE, leased_inbox(owner="a"))
         taken = await b.inbox_claim(SCOPE, "in-1", owner="b", incarnation="inc-b", now=NOW + LEASE + 1,
                                     lease_ms=LEASE, recover=False)
@@ -209,14 +229,14 @@ def test_an_owner_whose_lease_was_taken_over_cannot_complete_with_its_known_vers
 
 
 @spec("OUT-14", "OPS-2")
-def test_a_transition_that_declines_on_the_known_record_asks_the_store() -> None:
+def test_a_transition_that_declines_on_the_known_record_asks_the_store(make: Make) -> None:
     """What this instance remembers says ``sending`` (a retry declines on that); another
     writer has marked the send ``failed`` meanwhile. ``outbox_retry`` must see the
     ``failed`` record — a decline is never answered from memory alone."""
 
     async def body() -> None:
         kv = MemoryKv()
-        d = KvDurability(kv)
+        d = make(kv)
         await d.outbox_journal(SCOPE, sending_outbox())
         await raw_change(kv, "outbox", "in-1:1", state="failed", lease_until=None, next_at=NOW + 10)
         assert await d.outbox_retry(SCOPE, "in-1:1", now=NOW + 20)
@@ -227,14 +247,14 @@ def test_a_transition_that_declines_on_the_known_record_asks_the_store() -> None
 
 
 @spec("LEASE-2")
-def test_concurrent_transitions_from_known_versions_have_one_winner() -> None:
+def test_concurrent_transitions_from_known_versions_have_one_winner(make: Make) -> None:
     """A (the owner, knowing its record) kills the record while B claims it after the
     lease ran out, both at once: exactly one of them wins, whichever goes first, and
     the record shows that one's write."""
 
     async def body(a_first: bool) -> tuple[bool, bool, dict[str, Any]]:
         kv = MemoryKv()
-        a, b = KvDurability(kv), KvDurability(kv)
+        a, b = make(kv), make(kv)
         await a.inbox_journal(SCOPE, leased_inbox(owner="a"))
         kill = a.inbox_kill(SCOPE, "in-1", token=1, now=NOW + LEASE + 1, error="boom")
         claim = b.inbox_claim(SCOPE, "in-1", owner="b", incarnation="inc-b", now=NOW + LEASE + 1,
@@ -254,14 +274,14 @@ def test_concurrent_transitions_from_known_versions_have_one_winner() -> None:
 
 
 @spec("BACK-7")
-def test_what_a_caller_changes_in_its_records_afterwards_is_never_written() -> None:
+def test_what_a_caller_changes_in_its_records_afterwards_is_never_written(make: Make) -> None:
     """Values stored are copies, known versions included: the caller mutates the record
     it journaled and the record a claim returned (nested dicts too); the next
     transitions, written from the known versions, store the journaled contents."""
 
     async def body() -> None:
         kv = CountingKv()
-        d = KvDurability(kv)
+        d = make(kv)
         mine = leased_inbox()
         stored, _ = await d.inbox_journal(SCOPE, mine)
         mine.event["text"] = "changed by the caller"
@@ -297,14 +317,14 @@ def test_what_a_caller_changes_in_its_records_afterwards_is_never_written() -> N
 
 
 @spec("BACK-7")
-def test_a_record_deleted_behind_the_known_version_is_not_written_back() -> None:
+def test_a_record_deleted_behind_the_known_version_is_not_written_back(make: Make) -> None:
     """The known record is deleted by another writer (an operator's discard in another
     process): the transition from the known version fails its CAS (the record is gone)
     and reports the record absent instead of creating it again."""
 
     async def body() -> None:
         kv = MemoryKv()
-        a, b = KvDurability(kv), KvDurability(kv)
+        a, b = make(kv), make(kv)
         await a.outbox_journal(SCOPE, sending_outbox())
         assert await b.outbox_discard(SCOPE, "in-1:1")
         assert not await a.outbox_mark_sent(SCOPE, "in-1:1", token=1, message_id="m", now=NOW + 1, expires_at=None)
@@ -464,3 +484,119 @@ def test_the_known_copy_of_a_record_equals_a_full_copy_and_shares_nothing() -> N
     assert _container_names(InboxRecord) == ("event",)
     assert _container_names(OutboxRecord) == ("content",)
     assert _container_names(_Probe) == ("tags",)
+
+
+@spec("BACK-7")
+def test_a_private_json_is_the_full_copy_of_to_json_and_shares_nothing_with_the_record() -> None:
+    """``private_json`` (what MemoryDurability hands ``MemoryKv.put_owned``, which keeps
+    it without a copy: issue 16) is exactly ``check_json_object(record.to_json())`` — the
+    same dict, in the same key order, or the same error — and shares no dict or list with
+    the record: plain records, extra fields a newer version wrote, JSON conversions (a
+    tuple), a field typed as a list or holding None, a scalar field holding a container or
+    a float subclass, floats too large to add up, NaN and infinity, a set."""
+    import math
+
+    from botmesh.core.spi import check_json_object
+
+    class Ratio(float):
+        pass
+
+    def with_(rec: _Record, **attrs: Any) -> _Record:
+        for name, value in attrs.items():
+            setattr(rec, name, value)
+        return rec
+
+    newer = with_(sending_outbox(), extra={"newer": {"n": [1, {"deep": True}]}, "expires_at": NOW})
+    good: list[_Record] = [
+        leased_inbox(), sending_outbox(), newer,
+        with_(leased_inbox(), event={"id": "in-1", "pair": (1, 2), "data": {"n": [1]}}),
+        _Probe(name="p", tags=["a", "b"], n=3), _Probe(name="q"),
+        with_(leased_inbox(), error=("a", "tuple")), with_(leased_inbox(), error={"a": [1]}),
+        with_(leased_inbox(), lease_until=Ratio(1.5)), with_(leased_inbox(), lease_until=1e308, claimed_at=1e308),
+        with_(leased_inbox(), attempts=True, token=2**70, lease_until=-0.0),
+        with_(sending_outbox(), content=[1, 2]),
+    ]
+    for rec in good:
+        full = check_json_object(rec.to_json())
+        private = rec.private_json()
+        assert private == full and list(private) == list(full), (rec, private)
+        assert json_text(private) == json_text(full), (rec, private)
+        assert not _shared_containers(private, rec.__dict__), (rec, _shared_containers(private, rec.__dict__))
+        assert not _shared_containers(private, rec.extra), rec
+    bad: list[tuple[_Record, type[Exception]]] = [
+        (with_(leased_inbox(), lease_until=math.nan), ValueError), (with_(sending_outbox(), updated_at=-math.inf), ValueError),
+        (with_(leased_inbox(), attempts=math.inf), ValueError), (with_(leased_inbox(), error={1, 2}), TypeError),
+        (with_(leased_inbox(), event={"data": {"x": math.nan}}), ValueError),
+        (with_(sending_outbox(), extra={"newer": {1, 2}}), TypeError),
+    ]
+    for rec, error in bad:
+        with pytest.raises(error):
+            check_json_object(rec.to_json())
+        with pytest.raises(error):
+            rec.private_json()
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+@spec("BACK-7")
+def test_a_record_a_transition_returns_from_a_known_version_is_the_callers_own(make: Make) -> None:
+    """A transition from a known version (a recovery claim after this instance wrote
+    the record) returns a record the caller may change at will: neither what the kv
+    stores nor the next transition (again from a known version) sees it — also when the
+    known value is the very dict the kv keeps (MemoryDurability)."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        d = make(kv)
+        await d.inbox_journal(SCOPE, leased_inbox())
+        again = await d.inbox_claim(SCOPE, "in-1", owner="a", incarnation="inc-a2", now=NOW + 1, lease_ms=LEASE,
+                                    recover=True)
+        assert again is not None and again.token == 2
+        again.event["text"] = "changed by the caller"
+        again.event["data"]["n"].append(9)
+        found = await kv.get(SCOPE, "inbox", "in-1")
+        assert found is not None and found.value["event"] == leased_inbox().event, found.value
+        gets = kv.gets
+        assert await d.inbox_complete(SCOPE, "in-1", token=2, now=NOW + 2, expires_at=None)
+        assert kv.gets == gets, "the completion after this instance's own claim needs no read"
+        done = await kv.get(SCOPE, "inbox", "in-1")
+        assert done is not None and done.value["event"] == leased_inbox().event and done.value["state"] == "done"
+
+        await d.outbox_journal(SCOPE, sending_outbox())
+        claimed = await d.outbox_claim(SCOPE, "in-1:1", owner="a", incarnation="inc-a2", now=NOW + 1, lease_ms=LEASE,
+                                       recover=True)
+        assert claimed is not None
+        claimed[0].content["extra"]["n"].append(9)
+        assert await d.outbox_mark_sent(SCOPE, "in-1:1", token=2, message_id="m", now=NOW + 2, expires_at=None)
+        sent = await kv.get(SCOPE, "outbox", "in-1:1")
+        assert sent is not None and sent.value["content"] == sending_outbox().content, sent.value
+        assert kv.gets == gets + 2, "the two reads of the test's own, no read of the durability's"
+
+    run(body())
+
+
+@spec("BACK-7")
+def test_a_record_that_is_no_json_object_is_refused_alike_and_nothing_is_stored(make: Make) -> None:
+    """A journal write of a record holding NaN, an infinity or a set fails with the
+    error ``kv.put`` gives (ValueError / TypeError), with either write path, and the key
+    stays empty."""
+    import math
+
+    async def body() -> None:
+        kv = MemoryKv()
+        d = make(kv)
+        for n, (attrs, error) in enumerate([({"lease_until": math.nan}, ValueError),
+                                            ({"created_at": math.inf}, ValueError),
+                                            ({"event": {"data": {1, 2}}}, TypeError)]):
+            rec = leased_inbox(id=f"in-{n}")
+            for name, value in attrs.items():
+                setattr(rec, name, value)
+            with pytest.raises(error):
+                await d.inbox_journal(SCOPE, rec)
+            assert await kv.get(SCOPE, "inbox", f"in-{n}") is None
+
+    run(body())

@@ -104,8 +104,9 @@ async def test_a_replay_given_up_after_a_store_failure_is_caught(monkeypatch: An
     assert good.outcomes and not good.failed
 
     async def given_up(self: Any, record: Any, exc: BaseException) -> None:
-        await self.backend.inbox_complete(self.scope, record.id, token=record.token, now=self._now(),
-                                          expires_at=self._expires())
+        now = self._now()
+        await self.backend.inbox_complete(self.scope, record.id, token=record.token, now=now,
+                                          expires_at=self._expires(now))
 
     monkeypatch.setattr(DurabilityRuntime, "_inbox_failed", given_up)
     bad = await run_matrix(["memory"], ["store-down"], seed=5)

@@ -83,9 +83,12 @@ def encode(content: dict[str, Any]) -> dict[str, Any]:
 
 def _decode(value: Any) -> Any:
     if isinstance(value, dict):
-        if set(value) == {"$bytes"}:
+        if len(value) == 1 and "$bytes" in value:
             return base64.b64decode(value["$bytes"])
-        return {k: _decode(v) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():  # a string (a text, the usual value) kept without a call
+            out[k] = v if type(v) is str else _decode(v)
+        return out
     if isinstance(value, list):
         return [_decode(v) for v in value]
     return value

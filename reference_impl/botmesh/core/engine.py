@@ -191,9 +191,10 @@ class DurabilityRuntime(Generic[CtxT]):
     def _count(self, name: str, n: int = 1) -> None:
         self._metrics[name] += n
 
-    def _expires(self) -> float | None:
+    def _expires(self, now: float) -> float | None:
+        """When a record settled at ``now`` expires (OPS-3), None when kept for ever."""
         r = self.config.retention_ms
-        return None if r <= 0 else self._now() + r
+        return None if r <= 0 else now + r
 
     def _chat_lock(self, chat_id: str) -> asyncio.Lock:
         lock = self._chat_locks.get(chat_id)
@@ -314,7 +315,8 @@ class DurabilityRuntime(Generic[CtxT]):
                 if ctx.durability_failed is not None:  # INB-2: the handler's sends did not settle
                     await self._inbox_failed(record, ctx.durability_failed)
                     return
-                ok = await b.inbox_complete(scope, record.id, token=record.token, now=self._now(), expires_at=self._expires())
+                now = self._now()
+                ok = await b.inbox_complete(scope, record.id, token=record.token, now=now, expires_at=self._expires(now))
                 if not ok:
                     self._count("stale_leases")
         finally:
@@ -524,8 +526,9 @@ class DurabilityRuntime(Generic[CtxT]):
             if not await b.outbox_mark_failed(scope, rec.key, token=rec.token, next_at=now + delay, error=repr(exc)):
                 self._count("stale_leases")
             return _Failed(exc, delay)
+        now = self._now()
         if not await b.outbox_mark_sent(
-            scope, rec.key, token=rec.token, message_id=str(message_id), now=self._now(), expires_at=self._expires()
+            scope, rec.key, token=rec.token, message_id=str(message_id), now=now, expires_at=self._expires(now)
         ):
             self._count("stale_leases")  # LEASE-2: another owner took it over meanwhile
             return _Sent(str(message_id), settled=False)

@@ -10,6 +10,7 @@ from types import TracebackType
 
 from .clock import Clock, RealClock, VirtualClock, VirtualTimer, resolve_waiter
 from .keylocks import acquire_waiting
+from .turns import PLAIN_LOOP_TIME, monotonic
 
 
 class FirstBeats:
@@ -38,7 +39,7 @@ class FirstBeats:
         if loop is not self._loop:  # a new loop (a restart in another asyncio.run)
             self._loop, self._timer = loop, None
             self._due.clear()
-        due = loop.time() + delay_s
+        due = (monotonic() if type(loop).time is PLAIN_LOOP_TIME else loop.time()) + delay_s  # (turns.py)
         self._due[heartbeat] = due
         timer = self._timer
         if timer is None or timer.when() > due:

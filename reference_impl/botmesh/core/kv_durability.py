@@ -7,7 +7,7 @@ in :mod:`botmesh.core.memory`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from .backend import DurabilityBackend
@@ -85,6 +85,14 @@ class KvDurability(DurabilityBackend):
         # (scope, space, key) -> (version, a private copy of the record's value) that this
         # instance's own last CAS wrote, for records that hold a lease (see _know)
         self._known: dict[tuple[str, str, str], tuple[int, dict[str, Any]]] = {}
+        # A kv's way to take a written value without copying it (MemoryKv.put_owned, set
+        # by MemoryDurability), or None: then records are written with kv.put, as
+        # to_json() gives them, and the known copy is made apart. When set, each record
+        # is written as its private_json(), a checked copy nobody else holds, which the kv
+        # keeps and the known versions share with it — both only read it, and a record
+        # built from a known value (a transition's) is handed out only after the CAS that
+        # replaced it in the kv (issue 16: one copy per write instead of two).
+        self._put_owned: Callable[..., Awaitable[int]] | None = None
 
     async def start(self) -> None:
         self._known.clear()
@@ -115,8 +123,9 @@ class KvDurability(DurabilityBackend):
         (``leased``/``sending``: the records whose next write is ours and near) — so the
         next transition needs no read. Kept as a copy of its own
         (:meth:`~botmesh.core.records._Record.json_copy`), so nothing the caller does to
-        its records can change it; a transition takes it (it is never handed out while
-        known)."""
+        its records can change it — or, when the kv took ``value`` itself
+        (``_put_owned``), as that value, already private; a transition takes it (it is
+        never handed out while known)."""
         state = record.state
         k = (scope, space, key)
         self._known.pop(k, None)  # re-inserted last: the oldest entry is evicted first
@@ -124,7 +133,7 @@ class KvDurability(DurabilityBackend):
             return
         if len(self._known) >= _MAX_KNOWN:
             del self._known[next(iter(self._known))]
-        self._known[k] = (version, type(record).json_copy(value))
+        self._known[k] = (version, value if self._put_owned is not None else type(record).json_copy(value))
 
     def _forget(self, scope: str, space: str, key: str) -> None:
         self._known.pop((scope, space, key), None)
@@ -136,7 +145,8 @@ class KvDurability(DurabilityBackend):
     ) -> None:
         """CAS ``value`` at ``expected``."""
         try:
-            await self.kv.put(scope, space, key, value, expected_version=expected, due=due, expires=expires)
+            await (self._put_owned or self.kv.put)(scope, space, key, value, expected_version=expected, due=due,
+                                                   expires=expires)
         except BackendUnavailableError:
             # Outcome unknown: the write may have landed. Read it back by key.
             self._forget(scope, space, key)
@@ -157,8 +167,13 @@ class KvDurability(DurabilityBackend):
         The current record is the one this instance wrote last when it still knows it
         (:meth:`_know`), else it is read. A write from a known version that another writer
         overtook fails its CAS (``VersionConflict``) and the round is done again from a
-        fresh read; a decline is only ever answered from a fresh read."""
-        indexes = self._indexes
+        fresh read; a decline is only ever answered from a fresh read. ``change`` must not
+        keep the record it is given, only return a changed copy: with ``_put_owned`` the
+        record built from a known value shares its containers with what the kv keeps
+        until this CAS replaces it."""
+        # (self._indexes, without its call per transition)
+        indexes: Callable[[Any], tuple[float | None, float | None]] = (
+            _inbox_indexes if cls is InboxRecord else _outbox_indexes)
         k = (scope, space, key)
         for _ in range(_MAX_CAS_ROUNDS):
             known = self._known.pop(k, None)
@@ -174,7 +189,7 @@ class KvDurability(DurabilityBackend):
                 if known is not None:
                     continue  # declined on what this instance knew: decide on a fresh read
                 return None
-            value = new.to_json()
+            value = new.to_json() if self._put_owned is None else new.private_json()
             try:
                 await self._put(scope, space, key, value, version, *indexes(new))
             except VersionConflict:
@@ -225,7 +240,7 @@ class KvDurability(DurabilityBackend):
         one the failed create's ``VersionConflict`` carries when the kv reports it
         (``current``), else read."""
         for _ in range(2):  # a second round only when the record vanished in between
-            value = record.to_json()
+            value = record.to_json() if self._put_owned is None else record.private_json()
             try:
                 await self._put(scope, space, key, value, 0, *indexes)
             except VersionConflict as conflict:

@@ -68,17 +68,40 @@ class MemoryKv(DurableKv):
         due: float | None = None,
         expires: float | None = None,
     ) -> int:
+        check_put(scope, space, key, expected_version, due, expires)  # (the arguments' errors before the value's)
+        return await self.put_owned(scope, space, key, check_json_object(value), expected_version=expected_version,
+                                    due=due, expires=expires)
+
+    async def put_owned(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """:meth:`put`, keeping ``value`` itself instead of a copy: the caller hands it
+        over — a JSON object that :func:`~botmesh.core.spi.check_json_object` would copy
+        unchanged (``str`` keys; ``dict``, ``list``, ``str``, ``int``, ``bool``, ``None``
+        and finite ``float`` values), no container of which anybody else holds, which
+        nobody changes afterwards (reads still return copies). Not part of the
+        :class:`DurableKv` SPI: :class:`MemoryDurability` writes its records this way,
+        as :meth:`~botmesh.core.records._Record.private_json` makes them (issue 16: the
+        kv's copy of each write was the largest single cost of a message); ``put`` is
+        this of a copy."""
         due, expires = check_put(scope, space, key, expected_version, due, expires)
-        stored = check_json_object(value)
         if self._closed:  # self._check(), without its call on the per-message path (issue 16)
             self._check()
-        records = self._space(scope, space)
+        records = self._data.get((scope, space)) or self._space(scope, space)
         current = records.get(key)
         current_version = 0 if current is None else current[1]
         if current_version != expected_version:
             await _suspension_point()
             raise VersionConflict.at(space, key, expected_version, current_version)
-        records[key] = (stored, expected_version + 1, due, expires)
+        records[key] = (value, expected_version + 1, due, expires)
         await _suspension_point()
         return expected_version + 1
 
@@ -124,5 +147,14 @@ class MemoryDurability(KvDurability):
     """The in-memory backend (what ``durability={}`` means, ENABLE-2): retries, backoff
     and the DLQ, nothing survives the process."""
 
-    def __init__(self) -> None:
-        super().__init__(MemoryKv(), own_kv=False, name="memory")
+    def __init__(self, kv: MemoryKv | None = None) -> None:
+        """Over ``kv``, a new :class:`MemoryKv` by default (several instances over one
+        kv stand for processes sharing a store). Records are written with
+        :meth:`MemoryKv.put_owned` — no copy but the one
+        :meth:`~botmesh.core.records._Record.private_json` makes (see
+        ``KvDurability._put_owned``) — unless the kv's class overrides ``put``: then
+        with its ``put``, whatever it does."""
+        kv = MemoryKv() if kv is None else kv
+        super().__init__(kv, own_kv=False, name="memory")
+        if type(kv).put is MemoryKv.put and type(kv).put_owned is MemoryKv.put_owned:
+            self._put_owned = kv.put_owned

@@ -17,9 +17,16 @@ gathers other writers only while a turn could bring one)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Generator
 
 __all__ = ["NOTHING", "TURN", "others_runnable", "suspension_point"]
+
+PLAIN_LOOP_TIME = asyncio.BaseEventLoop.time
+"""asyncio's own ``loop.time()``, which is ``time.monotonic()``: where ``type(loop).time``
+is this, the module calls ``time.monotonic`` itself (a C call instead of a Python one;
+issue 16: four per message)."""
+monotonic = time.monotonic
 
 
 class _Turn:
@@ -57,7 +64,8 @@ def suspension_point() -> _Turn | _Nothing:
         if loop._ready:  # type: ignore[attr-defined]
             return TURN
         scheduled = loop._scheduled  # type: ignore[attr-defined]
-        if scheduled and scheduled[0]._when <= loop.time() + loop._clock_resolution:  # type: ignore[attr-defined]
+        if scheduled and scheduled[0]._when <= ((monotonic() if type(loop).time is PLAIN_LOOP_TIME else loop.time())
+                                                 + loop._clock_resolution):  # type: ignore[attr-defined]
             return TURN
     except AttributeError:  # not asyncio's own loop: its queues cannot be seen
         return TURN
