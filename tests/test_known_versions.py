@@ -534,6 +534,15 @@ def test_a_private_json_is_the_full_copy_of_to_json_and_shares_nothing_with_the_
             check_json_object(rec.to_json())
         with pytest.raises(error):
             rec.private_json()
+    # base: a container the new record took over unchanged from the record it was made
+    # from is handed on as it is (the caller owns it); a replaced one is copied
+    base = leased_inbox()
+    done = base.copy(state="done")
+    private = done.private_json(base)
+    assert private == check_json_object(done.to_json()) and private["event"] is base.event
+    moved = base.copy(event={"id": "in-1", "data": {"n": [2]}})
+    private = moved.private_json(base)
+    assert private["event"] == moved.event and not _shared_containers(private, moved.__dict__)
 
 
 def json_text(value: Any) -> str:
@@ -598,5 +607,39 @@ def test_a_record_that_is_no_json_object_is_refused_alike_and_nothing_is_stored(
             with pytest.raises(error):
                 await d.inbox_journal(SCOPE, rec)
             assert await kv.get(SCOPE, "inbox", f"in-{n}") is None
+
+    run(body())
+
+
+@spec("BACK-7", "BACK-4")
+def test_the_file_journal_keeps_its_records_as_private_copies(tmp_path: Any) -> None:
+    """FileDurability writes its records as MemoryDurability does (``FileKv.put_owned``:
+    the checked private copy kept in memory, issue 16): what the caller changes in the
+    record it journaled or in a record a claim returned is neither read back nor written
+    — in memory and in the file read again after a reopen."""
+    from botmesh.core.file_backend import FileDurability
+
+    path = str(tmp_path / "journal.json")
+
+    async def body() -> None:
+        d = await FileDurability.open(path, append_log=True, fsync=False)
+        assert d._put_owned is not None
+        mine = leased_inbox()
+        await d.inbox_journal(SCOPE, mine)
+        mine.event["data"]["n"].append(2)
+        again = await d.inbox_claim(SCOPE, "in-1", owner="a", incarnation="inc-a2", now=NOW + 1, lease_ms=LEASE,
+                                    recover=True)
+        assert again is not None and again.event == leased_inbox().event
+        again.event["text"] = "changed by the caller"
+        assert await d.inbox_complete(SCOPE, "in-1", token=2, now=NOW + 2, expires_at=None)
+        found = await d.inbox_get(SCOPE, "in-1")
+        assert found is not None and found.event == leased_inbox().event and found.state == "done", found
+        await d.close()
+        reopened = await FileDurability.open(path, append_log=True, fsync=False)
+        try:
+            read = await reopened.inbox_get(SCOPE, "in-1")
+            assert read is not None and read.to_json() == found.to_json(), (read, found)
+        finally:
+            await reopened.close()
 
     run(body())

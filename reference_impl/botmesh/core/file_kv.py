@@ -307,8 +307,28 @@ class FileKv(DurableKv):
         """See :meth:`DurableKv.put`. The write is on file (and fsync'ed when ``fsync``)
         before it is applied in memory and acknowledged; concurrent writes share that
         appends and fsyncs (group commit, :mod:`botmesh.core.group_commit`)."""
+        check_put(scope, space, key, expected_version, due, expires)  # (the arguments' errors before the value's)
+        return await self.put_owned(scope, space, key, check_json_object(value), expected_version=expected_version,
+                                    due=due, expires=expires)
+
+    async def put_owned(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """:meth:`put`, keeping ``value`` itself in memory instead of a copy, as
+        :meth:`botmesh.core.memory.MemoryKv.put_owned` does (the caller hands over a
+        plain JSON object nobody else holds or changes; not part of the SPI): what
+        :class:`~botmesh.core.file_backend.FileDurability` writes its records with
+        (issue 16). ``put`` is this of a copy."""
         due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
-        stored = check_json_object(value)
+        stored = value
         encoded = encode_value(stored, f"{scope}/{space}/{key}")
         self._check()
 

@@ -168,9 +168,10 @@ class KvDurability(DurabilityBackend):
         (:meth:`_know`), else it is read. A write from a known version that another writer
         overtook fails its CAS (``VersionConflict``) and the round is done again from a
         fresh read; a decline is only ever answered from a fresh read. ``change`` must not
-        keep the record it is given, only return a changed copy: with ``_put_owned`` the
-        record built from a known value shares its containers with what the kv keeps
-        until this CAS replaces it."""
+        keep the record it is given nor change its containers, only return a changed copy
+        (``copy``). With ``_put_owned`` the
+        record returned may share containers with what the kv keeps: a caller that hands
+        it out gives :meth:`_handed_out` of it."""
         # (self._indexes, without its call per transition)
         indexes: Callable[[Any], tuple[float | None, float | None]] = (
             _inbox_indexes if cls is InboxRecord else _outbox_indexes)
@@ -184,12 +185,16 @@ class KvDurability(DurabilityBackend):
                 if current is None:
                     return None
                 version, value = current.version, current.value
-            new = change(cls.from_json(value))
+            record = cls.from_json(value)
+            new = change(record)
             if new is None:
                 if known is not None:
                     continue  # declined on what this instance knew: decide on a fresh read
                 return None
-            value = new.to_json() if self._put_owned is None else new.private_json()
+            # (with _put_owned: the containers new took over from record unchanged are
+            # this instance's alone — a known value or a read's copy — and are handed to
+            # the kv as they are; _handed_out copies a record that leaves the backend)
+            value = new.to_json() if self._put_owned is None else new.private_json(record)
             try:
                 await self._put(scope, space, key, value, version, *indexes(new))
             except VersionConflict:
@@ -197,6 +202,14 @@ class KvDurability(DurabilityBackend):
             self._know(scope, space, key, version + 1, new, value)
             return new
         raise DurabilityError(f"{space}/{key}: gave up after {_MAX_CAS_ROUNDS} conflicting writes")
+
+    def _handed_out(self, record: RecordT | None) -> RecordT | None:
+        """``record`` (a transition's) as a public method returns it: with ``_put_owned``,
+        a copy whose containers are its own (the kv may keep the transition's); else
+        ``record`` itself, which shares nothing with the kv."""
+        if record is None or self._put_owned is None:
+            return record
+        return type(record).from_json(record.private_json())
 
     # (plain functions handing back the coroutine of _transition: one coroutine less per
     # transition, twice per message)
@@ -288,7 +301,7 @@ class KvDurability(DurabilityBackend):
                 lease_until=now + lease_ms, claimed_at=now, next_at=None, updated_at=now,
             )
 
-        return await self._in_tx(scope, id, change)
+        return self._handed_out(await self._in_tx(scope, id, change))
 
     async def inbox_heartbeat(self, scope: str, id: str, *, token: int, lease_until: float) -> bool:
         def change(r: InboxRecord) -> InboxRecord | None:
@@ -335,7 +348,7 @@ class KvDurability(DurabilityBackend):
             new.extra["replayed"] = True
             return new
 
-        return await self._in_tx(scope, id, change)
+        return self._handed_out(await self._in_tx(scope, id, change))
 
     async def inbox_purge(self, scope: str, *, now: float, limit: int) -> int:
         return await self._purge(scope, INBOX, now, limit)
@@ -373,7 +386,7 @@ class KvDurability(DurabilityBackend):
                 lease_until=now + lease_ms, claimed_at=now, next_at=None, updated_at=now,
             )
 
-        new = await self._out_tx(scope, key, change)
+        new = self._handed_out(await self._out_tx(scope, key, change))
         return None if new is None else (new, previous[0])
 
     async def outbox_heartbeat(self, scope: str, key: str, *, token: int, lease_until: float) -> bool:

@@ -131,7 +131,7 @@ class _Record:
             data.update(extra)
         return data
 
-    def private_json(self) -> dict[str, Any]:
+    def private_json(self, base: _Record | None = None) -> dict[str, Any]:
         """What ``check_json_object(self.to_json())`` gives — this record as a JSON object
         sharing no container with the record or anybody else, checked with the same
         errors — made for a kv that keeps the dict it is handed as it is
@@ -142,7 +142,12 @@ class _Record:
         them). The container fields (``event``, ``content``) and the ``extra`` fields
         are copied by ``check_json_object``. Anything else — a field holding another
         type, an attribute added or removed, a class with a field typed otherwise — takes
-        the full copy, whose result (or error) is the one to give."""
+        the full copy, whose result (or error) is the one to give.
+
+        ``base``: a record whose containers the caller owns (nobody else holds them) and
+        gives up; a container field holding the very dict ``base`` holds there is taken
+        as it is, without a copy (a transition's record keeps the ``event`` or
+        ``content`` of the record it was made from)."""
         fields, _, containers, plan = _Record._names.get(type(self)) or self._fields()
         data = self.__dict__.copy()
         extra = data.pop("extra", None)
@@ -158,11 +163,13 @@ class _Record:
             return check_json_object(self.to_json())
         if total - total != 0:  # a NaN or an infinity among them (or their sum too large)
             return check_json_object(self.to_json())
+        given = None if base is None else base.__dict__
         for name in containers:
             value = data[name]
             if type(value) is not dict:
                 return check_json_object(self.to_json())
-            data[name] = check_json_object(value)
+            if given is None or given.get(name) is not value:
+                data[name] = check_json_object(value)
         if extra:
             data.update(check_json_object(extra))
         return data
