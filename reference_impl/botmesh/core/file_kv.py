@@ -34,7 +34,8 @@ from .file_format import (
 from .fileio import FileIO, default_io
 from .group_commit import GroupCommit
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
-from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from .memory import OwnedValuesKv
+from .spi import Capabilities, IndexName, Versioned, check_index, check_json_object
 
 __all__ = ["DEFAULT_COMPACT_BYTES", "DEFAULT_COMPACT_EVERY", "FileKv"]
 
@@ -84,7 +85,7 @@ def _parse_pid(text: str | None) -> int | None:
     return pid if pid > 0 else None
 
 
-class FileKv(DurableKv):
+class FileKv(OwnedValuesKv):
     """A :class:`~botmesh.core.spi.DurableKv` kept in memory and persisted to files
     (docstring of :mod:`botmesh.core.file_backend`). It behaves exactly like
     :class:`~botmesh.core.memory.MemoryKv` and survives a crash of the process; it
@@ -293,24 +294,6 @@ class FileKv(DurableKv):
         await asyncio.sleep(0)
         return result
 
-    async def put(
-        self,
-        scope: str,
-        space: str,
-        key: str,
-        value: dict[str, Any],
-        *,
-        expected_version: int,
-        due: float | None = None,
-        expires: float | None = None,
-    ) -> int:
-        """See :meth:`DurableKv.put`. The write is on file (and fsync'ed when ``fsync``)
-        before it is applied in memory and acknowledged; concurrent writes share that
-        appends and fsyncs (group commit, :mod:`botmesh.core.group_commit`)."""
-        check_put(scope, space, key, expected_version, due, expires)  # (the arguments' errors before the value's)
-        return await self.put_owned(scope, space, key, check_json_object(value), expected_version=expected_version,
-                                    due=due, expires=expires)
-
     async def put_owned(
         self,
         scope: str,
@@ -322,11 +305,10 @@ class FileKv(DurableKv):
         due: float | None = None,
         expires: float | None = None,
     ) -> int:
-        """:meth:`put`, keeping ``value`` itself in memory instead of a copy, as
-        :meth:`botmesh.core.memory.MemoryKv.put_owned` does (the caller hands over a
-        plain JSON object nobody else holds or changes; not part of the SPI): what
-        :class:`~botmesh.core.file_backend.FileDurability` writes its records with
-        (issue 16). ``put`` is this of a copy."""
+        """See :meth:`~botmesh.core.memory.OwnedValuesKv.put_owned` (``put`` is this of a
+        copy). The write is on file (and fsync'ed when ``fsync``) before it is applied
+        in memory and acknowledged; concurrent writes share that appends and fsyncs
+        (group commit, :mod:`botmesh.core.group_commit`)."""
         due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
         stored = value
         encoded = encode_value(stored, f"{scope}/{space}/{key}")

@@ -5,6 +5,7 @@ other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
@@ -13,10 +14,56 @@ from .kv_durability import KvDurability
 from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
 from .turns import suspension_point as _suspension_point
 
-__all__ = ["MemoryDurability", "MemoryKv"]
+__all__ = ["MemoryDurability", "MemoryKv", "OwnedValuesKv"]
 
 
-class MemoryKv(DurableKv):
+class OwnedValuesKv(DurableKv):
+    """A :class:`DurableKv` that keeps the values written to it as dicts in memory
+    (:class:`MemoryKv`; :class:`~botmesh.core.file_kv.FileKv` beside its file): its
+    ``put`` checks the arguments, then hands :meth:`put_owned` a private copy of the
+    value (:func:`~botmesh.core.spi.check_json_object`, which is also the check that it
+    is a JSON object)."""
+
+    async def put(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """See :meth:`DurableKv.put`: :meth:`put_owned` of a copy of ``value``."""
+        check_put(scope, space, key, expected_version, due, expires)  # (the arguments' errors before the value's)
+        return await self.put_owned(scope, space, key, check_json_object(value), expected_version=expected_version,
+                                    due=due, expires=expires)
+
+    @abstractmethod
+    async def put_owned(
+        self,
+        scope: str,
+        space: str,
+        key: str,
+        value: dict[str, Any],
+        *,
+        expected_version: int,
+        due: float | None = None,
+        expires: float | None = None,
+    ) -> int:
+        """:meth:`put`, keeping ``value`` itself instead of a copy: the caller hands it
+        over — a JSON object that :func:`~botmesh.core.spi.check_json_object` would copy
+        unchanged (``str`` keys; ``dict``, ``list``, ``str``, ``int``, ``bool``, ``None``
+        and finite ``float`` values), no container of which anybody else holds, which
+        nobody changes afterwards (reads still return copies). Not part of the
+        :class:`DurableKv` SPI: :class:`MemoryDurability` and
+        :class:`~botmesh.core.file_backend.FileDurability` write their records this way,
+        as :meth:`~botmesh.core.records._Record.private_json` makes them (issue 16: the
+        kv's copy of each write was the largest single cost of a message)."""
+
+
+class MemoryKv(OwnedValuesKv):
     """The in-memory reference :class:`DurableKv`: the oracle the conformance suite
     compares other backends against. Nothing survives the process. Its arguments are
     checked as every built-in kv checks them (:mod:`botmesh.core.inputs`).
@@ -57,21 +104,6 @@ class MemoryKv(DurableKv):
         await _suspension_point()
         return result
 
-    async def put(
-        self,
-        scope: str,
-        space: str,
-        key: str,
-        value: dict[str, Any],
-        *,
-        expected_version: int,
-        due: float | None = None,
-        expires: float | None = None,
-    ) -> int:
-        check_put(scope, space, key, expected_version, due, expires)  # (the arguments' errors before the value's)
-        return await self.put_owned(scope, space, key, check_json_object(value), expected_version=expected_version,
-                                    due=due, expires=expires)
-
     async def put_owned(
         self,
         scope: str,
@@ -83,15 +115,7 @@ class MemoryKv(DurableKv):
         due: float | None = None,
         expires: float | None = None,
     ) -> int:
-        """:meth:`put`, keeping ``value`` itself instead of a copy: the caller hands it
-        over — a JSON object that :func:`~botmesh.core.spi.check_json_object` would copy
-        unchanged (``str`` keys; ``dict``, ``list``, ``str``, ``int``, ``bool``, ``None``
-        and finite ``float`` values), no container of which anybody else holds, which
-        nobody changes afterwards (reads still return copies). Not part of the
-        :class:`DurableKv` SPI: :class:`MemoryDurability` writes its records this way,
-        as :meth:`~botmesh.core.records._Record.private_json` makes them (issue 16: the
-        kv's copy of each write was the largest single cost of a message); ``put`` is
-        this of a copy."""
+        """See :meth:`OwnedValuesKv.put_owned`."""
         due, expires = check_put(scope, space, key, expected_version, due, expires)
         if self._closed:  # self._check(), without its call on the per-message path (issue 16)
             self._check()
