@@ -70,8 +70,9 @@ class MemoryKv(OwnedValuesKv):
 
     A value is stored as a private copy made by ``put`` with
     :func:`~botmesh.core.spi.check_json_object` (which is also the check that it is a
-    JSON object: the copy is what a JSON round trip gives), and every read returns a
-    fresh copy of it: what is stored never aliases a caller's dict."""
+    JSON object: the copy is what a JSON round trip gives) — or handed over whole with
+    :meth:`put_owned` — and every read returns a fresh copy of it: what is stored never
+    aliases a caller's dict."""
 
     capabilities = Capabilities()
 
