@@ -95,8 +95,7 @@ class FileDurability(KvDurability):
     def __init__(self, kv: FileKv, *, own_kv: bool = False, name: str | None = "file") -> None:
         super().__init__(kv, own_kv=own_kv, name=name)
         self._file_kv = kv
-        if type(kv).put is FileKv.put and type(kv).put_owned is FileKv.put_owned:
-            self._put_owned = kv.put_owned  # records written as their private copies (see MemoryDurability)
+        self._put_owned = kv.owned_writes()  # records written as their private copies (see MemoryDurability)
 
     @classmethod
     async def open(

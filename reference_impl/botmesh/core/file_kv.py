@@ -35,7 +35,7 @@ from .fileio import FileIO, default_io
 from .group_commit import GroupCommit
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .memory import OwnedValuesKv
-from .spi import Capabilities, IndexName, Versioned, check_index, check_json_object
+from .spi import Capabilities, IndexName, Versioned, check_index, check_json_object, index_entries
 
 __all__ = ["DEFAULT_COMPACT_BYTES", "DEFAULT_COMPACT_EVERY", "FileKv"]
 
@@ -310,8 +310,7 @@ class FileKv(OwnedValuesKv):
         in memory and acknowledged; concurrent writes share that appends and fsyncs
         (group commit, :mod:`botmesh.core.group_commit`)."""
         due_score, expires_score = check_put(scope, space, key, expected_version, due, expires)
-        stored = value
-        encoded = encode_value(stored, f"{scope}/{space}/{key}")
+        encoded = encode_value(value, f"{scope}/{space}/{key}")
         self._check()
 
         def prepare() -> _Change:
@@ -320,7 +319,7 @@ class FileKv(OwnedValuesKv):
             current_version = 0 if current is None else current[1]
             if current_version != expected_version:
                 raise VersionConflict.at(space, key, expected_version, current_version)
-            entry: Entry = (stored, expected_version + 1, due_score, expires_score)
+            entry: Entry = (value, expected_version + 1, due_score, expires_score)
             return _Change(scope, space, key, entry, expected_version + 1, encoded)
 
         return await self._write((scope, space, key), prepare)
@@ -357,13 +356,9 @@ class FileKv(OwnedValuesKv):
         upto = check_range(scope, space, upto)
         pos = 2 if check_index(index) == "due" else 3
         self._check()
-        entries = sorted(
-            (entry[pos], key)
-            for key, entry in self._records.get((scope, space), {}).items()
-            if entry[pos] is not None and entry[pos] <= upto  # type: ignore[operator]
-        )
+        entries = index_entries(self._records.get((scope, space), {}).items(), pos, upto, limit)
         await asyncio.sleep(0)
-        return [(float(score), key) for score, key in entries[:limit]]  # type: ignore[arg-type]
+        return entries
 
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100

@@ -85,8 +85,8 @@ class KvDurability(DurabilityBackend):
         # (scope, space, key) -> (version, a private copy of the record's value) that this
         # instance's own last CAS wrote, for records that hold a lease (see _know)
         self._known: dict[tuple[str, str, str], tuple[int, dict[str, Any]]] = {}
-        # A kv's way to take a written value without copying it (MemoryKv.put_owned, set
-        # by MemoryDurability), or None: then records are written with kv.put, as
+        # A kv's way to take a written value without copying it (OwnedValuesKv.put_owned,
+        # set by MemoryDurability and FileDurability), or None: then records are written with kv.put, as
         # to_json() gives them, and the known copy is made apart. When set, each record
         # is written as its private_json(), a checked copy nobody else holds, which the kv
         # keeps and the known versions share with it — both only read it, and a record

@@ -6,12 +6,13 @@ other kv with), and :class:`MemoryDurability`, the :class:`KvDurability` over it
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
 from .inputs import check_delete, check_put, check_range, check_record, check_scan
 from .kv_durability import KvDurability
-from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from .spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object, index_entries
 from .turns import suspension_point as _suspension_point
 
 __all__ = ["MemoryDurability", "MemoryKv", "OwnedValuesKv"]
@@ -61,6 +62,13 @@ class OwnedValuesKv(DurableKv):
         :class:`~botmesh.core.file_backend.FileDurability` write their records this way,
         as :meth:`~botmesh.core.records._Record.private_json` makes them (issue 16: the
         kv's copy of each write was the largest single cost of a message)."""
+
+    def owned_writes(self) -> Callable[..., Awaitable[int]] | None:
+        """:meth:`put_owned`, for a writer whose values are private copies, when this
+        kv's ``put`` is :meth:`put_owned` of a copy (its class keeps
+        :meth:`OwnedValuesKv.put`); None when the class overrides ``put``, whose every
+        write must then go through it (the planted bugs of the teeth tests do)."""
+        return self.put_owned if type(self).put is OwnedValuesKv.put else None
 
 
 class MemoryKv(OwnedValuesKv):
@@ -148,13 +156,9 @@ class MemoryKv(OwnedValuesKv):
         upto = check_range(scope, space, upto)
         pos = 2 if check_index(index) == "due" else 3
         self._check()
-        entries = sorted(
-            (entry[pos], key)
-            for key, entry in self._space(scope, space).items()
-            if entry[pos] is not None and entry[pos] <= upto  # type: ignore[operator]
-        )
+        entries = index_entries(self._space(scope, space).items(), pos, upto, limit)
         await _suspension_point()
-        return [(float(score), key) for score, key in entries[:limit]]  # type: ignore[arg-type]
+        return entries
 
     async def scan(
         self, scope: str, space: str, *, after: str | None = None, limit: int = 100
@@ -178,8 +182,7 @@ class MemoryDurability(KvDurability):
         :meth:`MemoryKv.put_owned` — no copy but the one
         :meth:`~botmesh.core.records._Record.private_json` makes (see
         ``KvDurability._put_owned``) — unless the kv's class overrides ``put``: then
-        with its ``put``, whatever it does."""
+        with its ``put``, whatever it does (:meth:`OwnedValuesKv.owned_writes`)."""
         kv = MemoryKv() if kv is None else kv
         super().__init__(kv, own_kv=False, name="memory")
-        if type(kv).put is MemoryKv.put and type(kv).put_owned is MemoryKv.put_owned:
-            self._put_owned = kv.put_owned
+        self._put_owned = kv.owned_writes()

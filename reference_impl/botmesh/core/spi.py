@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .errors import BackendUnavailableError, VersionConflict
@@ -295,6 +295,17 @@ def copy_plain_dict(value: dict[str, Any]) -> dict[str, Any] | None:
         except _NotPlain:
             pass
     return None
+
+
+def index_entries(
+    entries: Iterable[tuple[str, tuple[Any, Any, float | None, float | None]]], pos: int, upto: float, limit: int
+) -> list[tuple[float, str]]:
+    """:meth:`DurableKv.range`'s answer for a kv that keeps its records in memory as
+    ``key -> (value, version, due, expires)``: the ``(score, key)`` of the index at
+    ``pos`` of each entry (2: ``due``, 3: ``expires``) up to ``upto``, in ascending
+    order, cut to ``limit`` (MemoryKv, FileKv and the event journals' kv)."""
+    found = sorted((entry[pos], key) for key, entry in entries if entry[pos] is not None and entry[pos] <= upto)  # type: ignore[operator]
+    return [(float(score), key) for score, key in found[:limit]]  # type: ignore[arg-type]
 
 
 def check_json_object(value: Any) -> dict[str, Any]:

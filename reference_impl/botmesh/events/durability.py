@@ -30,20 +30,12 @@ from botmesh.core.errors import BackendUnavailableError, ConfigError, VersionCon
 from botmesh.core.file_format import Entry, encode_value
 from botmesh.core.inputs import check_delete, check_put, check_range, check_record, check_scan
 from botmesh.core.kv_durability import KvDurability
-from botmesh.core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object
+from botmesh.core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object, index_entries
 
 from .journal import FileEventJournal, Txn, _Journal
 from .shared import SharedFileEventJournal
 
 __all__ = ["EventJournalKv", "EventsDurability", "events_durability"]
-
-
-def _index_entries(txn: Txn, scope: str, space: str, pos: int, upto: float, limit: int) -> list[tuple[float, str]]:
-    """``range``'s answer from the journal's state: the entries ``(score, key)`` of the
-    index at ``pos`` of each entry (2: due, 3: expires) up to ``upto``, ascending, cut
-    to ``limit``."""
-    entries = sorted((e[pos], k) for k, e in txn.items(scope, space) if e[pos] is not None and e[pos] <= upto)  # type: ignore[operator]
-    return [(float(score), k) for score, k in entries[:limit]]  # type: ignore[arg-type]
 
 
 class EventJournalKv(DurableKv):
@@ -172,7 +164,7 @@ class EventJournalKv(DurableKv):
             return await side.range(scope, space, index, upto=upto, limit=limit)
 
         result: list[tuple[float, str]] = await self._journal().run(
-            lambda txn: _index_entries(txn, scope, space, pos, upto, limit), write=False)
+            lambda txn: index_entries(txn.items(scope, space), pos, upto, limit), write=False)
         return result
 
     async def ranges(self, scope: str, reads: Sequence[tuple[str, IndexName]], *, upto: float, limit: int
@@ -188,7 +180,7 @@ class EventJournalKv(DurableKv):
             return await super().ranges(scope, reads, upto=upto, limit=limit)
 
         result: list[list[tuple[float, str]]] = await self._journal().run(
-            lambda txn: [_index_entries(txn, scope, space, pos, upper, limit) for space, pos, upper in plan],
+            lambda txn: [index_entries(txn.items(scope, space), pos, upper, limit) for space, pos, upper in plan],
             write=False)
         return result
 
