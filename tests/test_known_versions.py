@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
-from botmesh.core.errors import VersionConflict
+from botmesh.core.errors import BackendUnavailableError, VersionConflict
 from botmesh.core.kv_durability import KvDurability
 from botmesh.core.memory import MemoryDurability, MemoryKv
 from botmesh.core.records import InboxRecord, OutboxRecord, _container_names, _Record
@@ -641,5 +641,66 @@ def test_the_file_journal_keeps_its_records_as_private_copies(tmp_path: Any) -> 
             assert read is not None and read.to_json() == found.to_json(), (read, found)
         finally:
             await reopened.close()
+
+    run(body())
+
+
+class CutKv(MemoryKv):
+    """A MemoryKv whose next ``cuts`` writes raise ``BackendUnavailableError`` — after
+    landing (the answer lost: outcome unknown) or, with ``lost``, without landing."""
+
+    def __init__(self, *, lost: bool = False) -> None:
+        super().__init__()
+        self.cuts = 0
+        self.lost = lost
+        self.gets = 0
+
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        self.gets += 1
+        return await super().get(scope, space, key)
+
+    async def put_owned(self, scope: str, space: str, key: str, value: dict[str, Any], *, expected_version: int,
+                        due: float | None = None, expires: float | None = None) -> int:
+        if self.cuts:
+            self.cuts -= 1
+            if not self.lost:
+                await super().put_owned(scope, space, key, value, expected_version=expected_version, due=due,
+                                        expires=expires)
+            raise BackendUnavailableError(f"{space}/{key}: connection lost before the answer")
+        return await super().put_owned(scope, space, key, value, expected_version=expected_version, due=due,
+                                       expires=expires)
+
+
+@spec("BACK-7", "INB-4", "OUT-2")
+def test_a_write_whose_answer_was_lost_is_read_back_by_key(make: Make) -> None:
+    """A create and a transition whose CAS raised ``BackendUnavailableError`` after it
+    landed succeed: the write is read back by key (one read each) and found there. When
+    the write did not land, the error is raised and nothing is stored or known."""
+
+    async def body() -> None:
+        kv = CutKv()
+        d = make(kv)
+        kv.cuts = 1
+        record, created = await d.inbox_journal(SCOPE, leased_inbox())
+        assert created and record.state == "leased" and kv.gets == 1
+        kv.cuts = 1
+        assert await d.inbox_complete(SCOPE, "in-1", token=1, now=NOW + 1, expires_at=None)
+        assert kv.gets == 2, f"{kv.gets} reads for the two cut writes (one read back each)"
+        found = await kv.get(SCOPE, "inbox", "in-1")
+        assert found is not None and found.version == 2 and found.value["state"] == "done", found
+
+        lost = CutKv(lost=True)
+        d = make(lost)
+        lost.cuts = 1
+        with pytest.raises(BackendUnavailableError):
+            await d.outbox_journal(SCOPE, sending_outbox())
+        assert await lost.get(SCOPE, "outbox", "in-1:1") is None
+        await d.outbox_journal(SCOPE, sending_outbox())
+        lost.cuts = 1
+        with pytest.raises(BackendUnavailableError):
+            await d.outbox_mark_sent(SCOPE, "in-1:1", token=1, message_id="m-1", now=NOW + 1, expires_at=None)
+        assert d._known == {}, "a write of unknown outcome left a known version"
+        still = await lost.get(SCOPE, "outbox", "in-1:1")
+        assert still is not None and still.version == 1 and still.value["state"] == "sending", still
 
     run(body())

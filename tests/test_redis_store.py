@@ -540,7 +540,7 @@ async def test_kv_durability_rereads_by_key_after_an_unknown_outcome(prefix: str
         await backend.start()
         try:
             with pytest.raises(BackendUnavailableError):
-                await backend._put("s", "inbox", "k", {"n": 1}, 0, 1.0, None)
+                await backend.inbox_journal("s", InboxRecord(id="k", lease_until=1.0))
             assert server.scripts == 1
             assert any(c[0].upper() == b"HGET" for c in server.commands), "no read-back by key after the cut"
         finally:

@@ -721,7 +721,7 @@ async def test_proxy_outcome_unknown_never_double_sends(kind: str, request: pyte
     commits, then the client's connection is reset before it reads the answer.
 
     Round 1 (8 messages): the backend reads the record back by key
-    (``KvDurability._put``), finds the write landed, carries on: one delivery each, no
+    (``KvDurability._landed``), finds the write landed, carries on: one delivery each, no
     ambiguity. Round 2 (2 messages): at the cut the client is also partitioned from the
     server, so the read-back fails too; the handler's reply fails, the inbound record stays
     leased; once healed, the sweep takes it over and the handler runs again — its reply
