@@ -530,6 +530,87 @@ async def test_a_write_cut_after_it_was_sent_is_sent_once_and_raises_unavailable
         assert control.scripts == 4, "control: a client with 3 retries must resend the script 3 times"
 
 
+class StallingServer(CuttingServer):
+    """Like :class:`CuttingServer` for the handshake, but when a script call arrives it
+    stops reading the connection (which stays open): a large enough command cannot be
+    sent whole, and its sender waits for the server to take the rest."""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                header = await reader.readline()
+                if not header.startswith(b"*"):
+                    break
+                size = await reader.readline()
+                name = (await reader.readexactly(int(size[1:].strip()) + 2))[:-2].upper()
+                if name in (b"EVALSHA", b"EVAL"):
+                    self.commands.append([name])
+                    await asyncio.Event().wait()  # never reads again (cancelled when the server closes)
+                rest = [name]
+                for _ in range(int(header[1:].strip()) - 1):
+                    size = await reader.readline()
+                    rest.append((await reader.readexactly(int(size[1:].strip()) + 2))[:-2])
+                self.commands.append(rest)
+                writer.write(b"+PONG\r\n" if name == b"PING" else b"_\r\n" if name == b"HGET" else b"+OK\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+
+@spec("BACK-3", "BACK-7")
+async def test_commands_are_sent_without_a_task_each(prefix: str) -> None:
+    """The clients the kv builds from a URL send a command without the task per command
+    that redis-py's own send makes when the connection has a socket timeout (issue 16,
+    ``botmesh.redis_store._driver``): 20 reads and 5 writes, after the first call
+    connected, create no task."""
+    kv = RedisKv(url=URL, prefix=prefix)
+    await kv.open()
+    loop = asyncio.get_running_loop()
+    made: list[object] = []
+    previous = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    try:
+        assert await kv.get("s", "inbox", "k") is None  # connects (and loads nothing yet)
+        version = await kv.put("s", "inbox", "k", {"n": 0}, expected_version=0)  # loads the script if needed
+        loop.set_task_factory(counting)
+        try:
+            for n in range(5):
+                version = await kv.put("s", "inbox", "k", {"n": n + 1}, expected_version=version)
+            for _ in range(20):
+                found = await kv.get("s", "inbox", "k")
+                assert found is not None and found.value == {"n": 5}
+        finally:
+            loop.set_task_factory(previous)
+    finally:
+        await kv.close()
+    assert made == [], f"{len(made)} tasks for 25 commands: {made[:3]}"
+
+
+@spec("BACK-3", "BACK-7")
+async def test_a_command_the_server_does_not_take_times_out_as_unavailable(prefix: str) -> None:
+    """A server that stops reading: a write too large to be sent at once waits for the
+    socket's drain under the socket timeout and fails as ``BackendUnavailableError``
+    (redis-py's ``TimeoutError`` beneath) instead of hanging; the connection is dropped."""
+    async with StallingServer() as server:
+        kv = RedisKv(url=server.url + "?socket_timeout=0.5", prefix=prefix)
+        await kv.open()
+        try:
+            with pytest.raises(BackendUnavailableError) as info:
+                await asyncio.wait_for(
+                    kv.put("s", "inbox", "k", {"blob": "x" * 32_000_000}, expected_version=0), 10)
+            assert isinstance(info.value.__cause__, redis.TimeoutError), repr(info.value.__cause__)
+            assert server.scripts == 1
+        finally:
+            await kv.close()
+
+
 @spec("REPL-1")
 async def test_kv_durability_rereads_by_key_after_an_unknown_outcome(prefix: str) -> None:
     """KvDurability's write path over RedisKv: the cut write raises

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any
 
@@ -18,3 +19,61 @@ def driver_options() -> dict[str, Any]:
     except ImportError:
         return {}
     return {"driver_info": DriverInfo()}
+
+
+class _DirectSend:
+    """Mixed into the connection class of the clients the backend builds from a URL
+    (:func:`direct_send`): ``send_packed_command`` without a task per command.
+
+    redis-py sends every command of a connection that has a ``socket_timeout`` (the
+    backend's always have one) through ``asyncio.wait_for``, which wraps the write in a
+    task of its own and takes two more turns of the event loop: about 30 us of CPU of
+    the ~120 us a command costs the client (issue 16; the client's CPU is what bounds a
+    message on Redis and a crash cell). Here a command is handed to the transport at
+    once when the connection is open, no health check can be due (no
+    ``health_check_interval``) and nothing waits in the transport's write buffer; only
+    when the transport could not send all of it at once is the drain awaited, with the
+    socket timeout, and a failure of it turned into redis-py's own ``TimeoutError`` or
+    ``ConnectionError`` after dropping the connection, as redis-py does. Any other case
+    takes redis-py's own path. A transport that already lost its connection takes the
+    bytes silently; reading the reply then fails with redis-py's ``ConnectionError`` —
+    an error either way, and the command was not sent twice."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        conn: Any = self  # (a redis-py connection: its attributes are untyped there)
+        writer = getattr(conn, "_writer", None)
+        transport = None if writer is None else writer.transport
+        if (writer is None or transport is None or type(command) is not list
+                or getattr(conn, "health_check_interval", None) != 0 or not getattr(conn, "is_connected", False)
+                or transport.is_closing() or transport.get_write_buffer_size()):
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+            return
+        from redis.exceptions import ConnectionError as DriverConnectionError
+        from redis.exceptions import TimeoutError as DriverTimeoutError
+
+        try:
+            transport.writelines(command)
+            if transport.get_write_buffer_size():
+                await asyncio.wait_for(writer.drain(), getattr(conn, "socket_timeout", None))
+        except TimeoutError:
+            await conn.disconnect(nowait=True)
+            raise DriverTimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await conn.disconnect(nowait=True)
+            raise DriverConnectionError(f"Error while writing to socket: {exc}") from exc
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+
+
+_DIRECT: dict[type, type] = {}
+
+
+def direct_send(connection_class: type) -> type:
+    """``connection_class`` (a redis-py asyncio connection class) with
+    :class:`_DirectSend` mixed in, made once per class."""
+    made = _DIRECT.get(connection_class)
+    if made is None:
+        made = _DIRECT[connection_class] = type(connection_class.__name__, (_DirectSend, connection_class),
+                                                {"__module__": __name__})
+    return made

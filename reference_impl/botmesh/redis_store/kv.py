@@ -128,7 +128,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object, encode_checked
-from ._driver import driver_options
+from ._driver import direct_send, driver_options
 from ._lua import DELETE, PUT, RANGES, SCAN
 from ._pipeline import AutoPipeline
 
@@ -277,6 +277,8 @@ def _client_from_url(url: Any) -> Redis:
         client = Redis.from_url(url, retry_on_error=[], **_client_options())
     except (ValueError, TypeError, RedisError) as exc:
         raise ConfigError(f"url: not a usable Redis URL ({exc}): {url!r}", option="url", value=url) from exc
+    pool = client.connection_pool  # (no connection made yet: each will be of this class)
+    pool.connection_class = direct_send(pool.connection_class)
     return client
 
 
