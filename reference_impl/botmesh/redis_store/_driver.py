@@ -1,4 +1,5 @@
-"""What every Redis client of the backend tells the server about itself."""
+"""What every Redis client of the backend tells the server about itself, and how the
+clients it builds from a URL send a command (:func:`direct_send`)."""
 
 from __future__ import annotations
 
