@@ -442,13 +442,17 @@ class CuttingServer:
     """A TCP listener speaking just enough RESP for redis-py's connection handshake
     (``+OK`` to everything, nil to ``HGET``) that, when a script call (``EVALSHA``/``EVAL``) arrives,
     records it and closes the connection without replying: the client cannot know
-    whether the write landed. ``scripts`` counts how many times one arrived."""
+    whether the write landed. ``scripts`` counts how many times one arrived. With
+    ``stall``, it stops reading the connection instead (kept open) as soon as it has read
+    a script call's name: a command too large for the socket buffers cannot be sent
+    whole, and its sender waits for the server to take the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stall: bool = False) -> None:
         self.commands: list[list[bytes]] = []
         self.connections = 0
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.stall = stall
 
     async def __aenter__(self) -> CuttingServer:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -469,28 +473,26 @@ class CuttingServer:
         return sum(1 for c in self.commands if c and c[0].upper() in (b"EVALSHA", b"EVAL"))
 
     @staticmethod
-    async def _read_command(reader: asyncio.StreamReader) -> list[bytes] | None:
-        header = await reader.readline()
-        if not header.startswith(b"*"):
-            return None
-        args: list[bytes] = []
-        for _ in range(int(header[1:].strip())):
-            size = await reader.readline()
-            data = await reader.readexactly(int(size[1:].strip()) + 2)
-            args.append(data[:-2])
-        return args
+    async def _read_arg(reader: asyncio.StreamReader) -> bytes:
+        size = await reader.readline()
+        return (await reader.readexactly(int(size[1:].strip()) + 2))[:-2]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while True:
-                command = await self._read_command(reader)
-                if command is None:
+                header = await reader.readline()
+                if not header.startswith(b"*"):
                     break
+                name = (await self._read_arg(reader)).upper()
+                script = name in (b"EVALSHA", b"EVAL")
+                if script and self.stall:
+                    self.commands.append([name])
+                    await asyncio.Event().wait()  # never reads again (cancelled when the server closes)
+                command = [name] + [await self._read_arg(reader) for _ in range(int(header[1:].strip()) - 1)]
                 self.commands.append(command)
-                if command[0].upper() in (b"EVALSHA", b"EVAL"):
+                if script:
                     break  # it arrived; the reply never leaves
-                name = command[0].upper()
                 writer.write(b"+PONG\r\n" if name == b"PING" else b"_\r\n" if name == b"HGET" else b"+OK\r\n")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
@@ -528,36 +530,6 @@ async def test_a_write_cut_after_it_was_sent_is_sent_once_and_raises_unavailable
         finally:
             await retrying.aclose()
         assert control.scripts == 4, "control: a client with 3 retries must resend the script 3 times"
-
-
-class StallingServer(CuttingServer):
-    """Like :class:`CuttingServer` for the handshake, but when a script call arrives it
-    stops reading the connection (which stays open): a large enough command cannot be
-    sent whole, and its sender waits for the server to take the rest."""
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                header = await reader.readline()
-                if not header.startswith(b"*"):
-                    break
-                size = await reader.readline()
-                name = (await reader.readexactly(int(size[1:].strip()) + 2))[:-2].upper()
-                if name in (b"EVALSHA", b"EVAL"):
-                    self.commands.append([name])
-                    await asyncio.Event().wait()  # never reads again (cancelled when the server closes)
-                rest = [name]
-                for _ in range(int(header[1:].strip()) - 1):
-                    size = await reader.readline()
-                    rest.append((await reader.readexactly(int(size[1:].strip()) + 2))[:-2])
-                self.commands.append(rest)
-                writer.write(b"+PONG\r\n" if name == b"PING" else b"_\r\n" if name == b"HGET" else b"+OK\r\n")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-            pass
-        finally:
-            writer.close()
 
 
 @spec("BACK-3", "BACK-7")
@@ -598,7 +570,7 @@ async def test_a_command_the_server_does_not_take_times_out_as_unavailable(prefi
     """A server that stops reading: a write too large to be sent at once waits for the
     socket's drain under the socket timeout and fails as ``BackendUnavailableError``
     (redis-py's ``TimeoutError`` beneath) instead of hanging; the connection is dropped."""
-    async with StallingServer() as server:
+    async with CuttingServer(stall=True) as server:
         kv = RedisKv(url=server.url + "?socket_timeout=0.5", prefix=prefix)
         await kv.open()
         try:
