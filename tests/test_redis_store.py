@@ -453,6 +453,8 @@ class CuttingServer:
         self.server: asyncio.Server | None = None
         self.port = 0
         self.stall = stall
+        self._closing = asyncio.Event()  # set on exit: a stalled connection ends
+        self._handlers: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> CuttingServer:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -463,6 +465,8 @@ class CuttingServer:
         assert self.server is not None
         self.server.close()
         await self.server.wait_closed()
+        self._closing.set()
+        await asyncio.gather(*self._handlers, return_exceptions=True)  # each closed its connection
 
     @property
     def url(self) -> str:
@@ -479,6 +483,9 @@ class CuttingServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         try:
             while True:
                 header = await reader.readline()
@@ -488,7 +495,8 @@ class CuttingServer:
                 script = name in (b"EVALSHA", b"EVAL")
                 if script and self.stall:
                     self.commands.append([name])
-                    await asyncio.Event().wait()  # never reads again (cancelled when the server closes)
+                    await self._closing.wait()  # reads nothing more until the server is closed
+                    break
                 command = [name] + [await self._read_arg(reader) for _ in range(int(header[1:].strip()) - 1)]
                 self.commands.append(command)
                 if script:
@@ -579,6 +587,9 @@ async def test_a_command_the_server_does_not_take_times_out_as_unavailable(prefi
                     kv.put("s", "inbox", "k", {"blob": "x" * 32_000_000}, expected_version=0), 10)
             assert isinstance(info.value.__cause__, redis.TimeoutError), repr(info.value.__cause__)
             assert server.scripts == 1
+            # the stalled connection was dropped: the next call connects again and is answered
+            assert await asyncio.wait_for(kv.get("s", "inbox", "k"), 10) is None
+            assert server.connections == 2, f"{server.connections} connections"
         finally:
             await kv.close()
 
