@@ -645,19 +645,15 @@ def test_the_file_journal_keeps_its_records_as_private_copies(tmp_path: Any) -> 
     run(body())
 
 
-class CutKv(MemoryKv):
-    """A MemoryKv whose next ``cuts`` writes raise ``BackendUnavailableError`` — after
-    landing (the answer lost: outcome unknown) or, with ``lost``, without landing."""
+class CutKv(CountingKv):
+    """A MemoryKv counting its reads whose next ``cuts`` writes raise
+    ``BackendUnavailableError`` — after landing (the answer lost: outcome unknown) or,
+    with ``lost``, without landing."""
 
     def __init__(self, *, lost: bool = False) -> None:
         super().__init__()
         self.cuts = 0
         self.lost = lost
-        self.gets = 0
-
-    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
-        self.gets += 1
-        return await super().get(scope, space, key)
 
     async def put_owned(self, scope: str, space: str, key: str, value: dict[str, Any], *, expected_version: int,
                         due: float | None = None, expires: float | None = None) -> int:

@@ -139,6 +139,14 @@ class KvDurability(DurabilityBackend):
         self._known.pop((scope, space, key), None)
 
     # -- generic record transitions -----------------------------------------------------
+    def _cas(self, scope: str, space: str, key: str, value: dict[str, Any], expected: int, due: float | None,
+             expires: float | None) -> Awaitable[int]:
+        """The kv's CAS of ``value`` at ``expected`` — ``_put_owned`` when set, else
+        ``kv.put`` — as the awaitable the caller awaits (a plain function: no coroutine
+        of its own per write, issue 16)."""
+        return (self._put_owned or self.kv.put)(scope, space, key, value, expected_version=expected, due=due,
+                                                expires=expires)
+
     async def _landed(self, scope: str, space: str, key: str, value: dict[str, Any], expected: int) -> bool:
         """After a CAS of ``value`` at ``expected`` raised ``BackendUnavailableError`` (its
         outcome unknown: it may have landed): whether it landed, read back by key."""
@@ -184,9 +192,8 @@ class KvDurability(DurabilityBackend):
             # the kv as they are; _handed_out copies a record that leaves the backend)
             value = new.to_json() if self._put_owned is None else new.private_json(record)
             due, expires = indexes(new)
-            try:  # (the CAS called here, not through a helper: one coroutine less per write, issue 16)
-                await (self._put_owned or self.kv.put)(scope, space, key, value, expected_version=version, due=due,
-                                                       expires=expires)
+            try:
+                await self._cas(scope, space, key, value, version, due, expires)
             except VersionConflict:
                 self._forget(scope, space, key)
                 continue
@@ -250,8 +257,7 @@ class KvDurability(DurabilityBackend):
         for _ in range(2):  # a second round only when the record vanished in between
             value = record.to_json() if self._put_owned is None else record.private_json()
             try:
-                await (self._put_owned or self.kv.put)(scope, space, key, value, expected_version=0, due=due,
-                                                       expires=expires)
+                await self._cas(scope, space, key, value, 0, due, expires)
             except BackendUnavailableError:
                 if not await self._landed(scope, space, key, value, 0):
                     raise

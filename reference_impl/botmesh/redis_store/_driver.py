@@ -7,6 +7,9 @@ import asyncio
 import functools
 from typing import Any
 
+from redis.exceptions import ConnectionError as DriverConnectionError
+from redis.exceptions import TimeoutError as DriverTimeoutError
+
 
 @functools.lru_cache(maxsize=1)
 def driver_options() -> dict[str, Any]:
@@ -49,9 +52,6 @@ class _DirectSend:
                 or transport.is_closing() or transport.get_write_buffer_size()):
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
             return
-        from redis.exceptions import ConnectionError as DriverConnectionError
-        from redis.exceptions import TimeoutError as DriverTimeoutError
-
         try:
             transport.writelines(command)
             if transport.get_write_buffer_size():
