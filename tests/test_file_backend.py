@@ -1912,13 +1912,54 @@ def test_a_snapshot_made_from_the_last_ones_lines_is_the_same_file() -> None:
     lines: SnapshotLines = {}
     first = snapshot_bytes(records, 3, lines)
     assert first == snapshot_bytes(records, 3)
-    assert set(lines) == {(S, "inbox", "a"), (S, "inbox", "b")}
-    changed = {(S, "inbox"): {"a": ({"x": 2}, 1, None, None)}, (S, "outbox"): {"k": ({"t": "\u00e9"}, 1, None, -INF)}}
+    assert set(lines) == {(S, "inbox")} and set(lines[(S, "inbox")][1]) == {"a", "b"}
+    line_b = lines[(S, "inbox")][1]["b"]
+    changed = {(S, "inbox"): {"a": ({"x": 2}, 1, None, None), "b": kept["b"]},
+               (S, "outbox"): {"k": ({"t": "\u00e9"}, 1, None, -INF)}}
     second = snapshot_bytes(changed, 4, lines)
     assert second == snapshot_bytes(changed, 4)  # "a" at the same version, another value: encoded anew
     assert parse_snapshot(second, "x").records == changed
-    assert set(lines) == {(S, "inbox", "a"), (S, "outbox", "k")}
-    assert lines[(S, "outbox", "k")][0] is changed[(S, "outbox")]["k"]
+    assert lines[(S, "inbox")][1]["b"] is line_b, "the line of the unchanged record is taken again"
+    assert set(lines) == {(S, "inbox"), (S, "outbox")} and set(lines[(S, "outbox")][1]) == {"k"}
+    assert lines[(S, "outbox")][0]["k"] is changed[(S, "outbox")]["k"]
+    third = {(S, "outbox"): dict(changed[(S, "outbox")])}  # the inbox space gone, "k" unchanged
+    assert snapshot_bytes(third, 5, lines) == snapshot_bytes(third, 5)
+    assert set(lines) == {(S, "outbox")}, "the lines kept are the new snapshot's only"
+
+
+@pytest.mark.spec("BACK-6")
+@settings(max_examples=200, deadline=None, database=None)
+@given(steps=st.lists(st.lists(st.tuples(st.sampled_from(["inbox", "outbox"]), st.sampled_from("abcdef"),
+                                         st.sampled_from(["put", "same", "equal", "del"]), st.integers(0, 3)),
+                               max_size=8), min_size=1, max_size=6))
+def test_snapshots_made_one_after_another_from_kept_lines_are_the_files_made_from_nothing(
+    steps: list[list[tuple[str, str, str, int]]],
+) -> None:
+    """Issue 16: a run of snapshots sharing one ``lines`` cache, the records changed
+    between them by drawn writes — a new entry, the very same entry again, an *equal*
+    but other tuple (which must be encoded anew, a line serves only the tuple it was made
+    from), a delete — gives at each step exactly the file made from nothing; and the
+    lines kept always serve the records of the last snapshot only."""
+    from botmesh.core.file_format import SnapshotLines, parse_snapshot, snapshot_bytes
+
+    records: dict[tuple[str, str], dict[str, Any]] = {}
+    lines: SnapshotLines = {}
+    for seq, writes in enumerate(steps, start=1):
+        for space, key, op, n in writes:
+            space_map = records.setdefault((S, space), {})
+            if op == "del":
+                space_map.pop(key, None)
+            elif op == "same" and key in space_map:
+                space_map[key] = space_map[key]
+            elif op == "equal" and key in space_map:
+                space_map[key] = tuple(space_map[key])
+            else:
+                space_map[key] = ({"n": n, "k": key}, n + 1, float(n), None)
+        made = snapshot_bytes(records, seq, lines)
+        assert made == snapshot_bytes(records, seq)
+        assert parse_snapshot(made, "x").records == {k: v for k, v in records.items() if v}  # (no empty space)
+        assert {(sc, sp, k) for (sc, sp), (_, kept) in lines.items() for k in kept} == {
+            (sc, sp, k) for (sc, sp), m in records.items() for k in m}
 
 
 _TEXT_STRINGS = st.text(alphabet=st.sampled_from(["a", "\u00e9", "\U0001f642", '"', "\\", "\n", "\x1f", "/", " "]),

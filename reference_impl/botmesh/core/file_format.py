@@ -142,6 +142,8 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not as _is_not
 from typing import Any, NoReturn, TypeGuard
 
 from .errors import JournalCorruptError
@@ -290,10 +292,29 @@ def encode_value(value: dict[str, Any], where: str) -> str:
 _HEADER_START = '{"format":"' + SNAPSHOT_FORMAT + '","version":' + str(FORMAT_VERSION)
 
 
-SnapshotLines = dict[tuple[str, str, str], tuple[Entry, bytes]]  # a snapshot's lines, each with its entry
+SnapshotLines = dict[tuple[str, str], tuple[dict[str, Entry], dict[str, bytes]]]
+"""A snapshot's lines per ``(scope, space)``: the entries they were made from (key ->
+entry) and the lines themselves (key -> framed line)."""
 
 
 ValueTexts = dict[tuple[str, str, str], tuple[Entry, str]]  # values' JSON texts, each with its entry
+
+
+def _record_line(scope: str, space: str, key: str, entry: Entry, texts: ValueTexts | None) -> bytes:
+    """The framed snapshot line of one record (``texts``: see :func:`snapshot_bytes`)."""
+    value, version, due, expires = entry
+    if due is not None and not -_INF < due < _INF:
+        due = _score_out(due)  # type: ignore[assignment]
+    if expires is not None and not -_INF < expires < _INF:
+        expires = _score_out(expires)  # type: ignore[assignment]
+    # The value as check_json_object produced it: already known to be storable.
+    known = texts.get((scope, space, key)) if texts else None
+    if known is not None and known[0] is entry:
+        head = _dumps([scope, space, key, version, due, expires])
+        payload = (head[:-1] + "," + known[1] + "]").encode("ascii")
+    else:
+        payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
+    return frame(payload)
 
 
 def snapshot_bytes(
@@ -301,49 +322,45 @@ def snapshot_bytes(
 ) -> bytes:
     """The snapshot file for ``records`` (version 2): header, one record per line sorted,
     trailer with the count and the checksum, so the file is deterministic and readable.
-    ``lines``: the last snapshot's (refilled with this one's); a record whose entry is the
+    ``lines``: the lines of the last snapshot made with it, per space with the entries
+    they were made from (brought up to date in place: the lines of the records written
+    since made anew, those of records deleted since dropped); a record whose entry is the
     very tuple a line was made from takes the line again — a line depends on the entry
     alone, and a write makes a new entry — so a fold or a snapshot-only write encodes
     only what was written since (issue 16), at the price of the text kept in memory.
     ``texts``: the values written since, as :func:`encode_value` gave them (the log line's
     text), each with its entry: a record whose entry is that very tuple takes its value's
     text instead of encoding the value again. Emptied once used (every entry it serves
-    is then in ``lines``)."""
+    is then in ``lines``).
+
+    The records whose line is taken again are found and put in order at C speed
+    (``map``, ``operator.is_not``, ``itertools.compress``: no Python statement per such
+    record): a fold used to walk every record in Python, ~2 us each, so that the fold of
+    a journal of 20,000 records cost ~36 ms of CPU and a message's share of the folds
+    grew with the journal (issue 16)."""
     parts: list[bytes] = [b""]  # the header goes first, once the count is known
-    crc32 = zlib.crc32
-    last: SnapshotLines = lines or {}
-    kept: SnapshotLines = {}
+    cache: SnapshotLines = {} if lines is None else lines
     for scope, space in sorted(records):
         space_map = records[(scope, space)]
-        for key in sorted(space_map):
+        keys = sorted(space_map)
+        made_from, space_lines = cache.get((scope, space)) or cache.setdefault((scope, space), ({}, {}))
+        # The keys whose entry is not the very tuple their last line was made from.
+        changed = list(compress(keys, map(_is_not, map(space_map.__getitem__, keys), map(made_from.get, keys))))
+        for key in changed:
             entry = space_map[key]
-            found = last.get((scope, space, key))
-            if found is not None and found[0] is entry:
-                line = found[1]
-            else:
-                value, version, due, expires = entry
-                if due is not None and not -_INF < due < _INF:
-                    due = _score_out(due)  # type: ignore[assignment]
-                if expires is not None and not -_INF < expires < _INF:
-                    expires = _score_out(expires)  # type: ignore[assignment]
-                # The value as check_json_object produced it: already known to be storable.
-                known = texts.get((scope, space, key)) if texts else None
-                if known is not None and known[0] is entry:
-                    head = _dumps([scope, space, key, version, due, expires])
-                    payload = (head[:-1] + "," + known[1] + "]").encode("ascii")
-                else:
-                    payload = _dumps([scope, space, key, version, due, expires, value]).encode("ascii")
-                line = frame(payload)
-            if lines is not None:
-                kept[(scope, space, key)] = (entry, line)
-            parts.append(line)
+            space_lines[key] = _record_line(scope, space, key, entry, texts)
+            made_from[key] = entry  # (after the line: a line and its entry change together)
+        if len(space_lines) != len(keys):  # records deleted since
+            for key in space_lines.keys() - space_map.keys():
+                del space_lines[key], made_from[key]
+        parts.extend(map(space_lines.__getitem__, keys))
+    if len(cache) != len(records):  # spaces gone
+        for gone in cache.keys() - records.keys():
+            del cache[gone]
     count = len(parts) - 1
     parts[0] = frame(f'{_HEADER_START},"log_seq":{log_seq},"records":{count}}}'.encode("ascii"))
     body = b"".join(parts)
-    trailer = f'{{"end":{count},"crc32":"{crc32(body):08x}"}}'.encode("ascii")
-    if lines is not None:
-        lines.clear()
-        lines.update(kept)
+    trailer = f'{{"end":{count},"crc32":"{zlib.crc32(body):08x}"}}'.encode("ascii")
     if texts is not None:
         texts.clear()
     return body + frame(trailer)
