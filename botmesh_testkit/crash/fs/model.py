@@ -281,7 +281,7 @@ class PersistenceModel:
             self._maybe_free(ino)
 
     # -- data operations -------------------------------------------------------------------------
-    def write(self, target: Target, offset: int, data: bytes) -> None:
+    def write(self, target: Target, offset: int, data: bytes | bytearray) -> None:
         """``pwrite(data, offset)`` on file ``target``: visible now, durable at its fsync."""
         if offset < 0:
             raise OSError(errno.EINVAL, "Invalid argument")

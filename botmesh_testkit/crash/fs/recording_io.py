@@ -111,7 +111,7 @@ class PowerCutIO(FileIO):
             self.model.close_handle(ino)
 
     # -- whole-file writes ---------------------------------------------------------------------------
-    def write_file(self, path: str, data: bytes, *, fsync: bool) -> None:
+    def write_file(self, path: str, data: bytes | bytearray, *, fsync: bool) -> None:
         """See :meth:`FileIO.write_file`; the fsync is the model's."""
         super().write_file(path, data, fsync=False)
         rel = self._rel(path)

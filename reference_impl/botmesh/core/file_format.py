@@ -173,6 +173,7 @@ __all__ = [
     "parse_snapshot",
     "replay",
     "scan_log",
+    "snapshot_buffer",
     "snapshot_bytes",
     "SnapshotLines",
     "ValueTexts",
@@ -320,6 +321,13 @@ def _record_line(scope: str, space: str, key: str, entry: Entry, texts: ValueTex
 def snapshot_bytes(
     records: Records, log_seq: int, lines: SnapshotLines | None = None, texts: ValueTexts | None = None
 ) -> bytes:
+    """The snapshot file for ``records`` as ``bytes``: :func:`snapshot_buffer`'s content."""
+    return bytes(snapshot_buffer(records, log_seq, lines, texts))
+
+
+def snapshot_buffer(
+    records: Records, log_seq: int, lines: SnapshotLines | None = None, texts: ValueTexts | None = None
+) -> bytearray:
     """The snapshot file for ``records`` (version 2): header, one record per line sorted,
     trailer with the count and the checksum, so the file is deterministic and readable.
     ``lines``: the lines of the last snapshot made with it, per space with the entries
@@ -359,11 +367,13 @@ def snapshot_bytes(
             del cache[gone]
     count = len(parts) - 1
     parts[0] = frame(f'{_HEADER_START},"log_seq":{log_seq},"records":{count}}}'.encode("ascii"))
-    body = b"".join(parts)
-    trailer = f'{{"end":{count},"crc32":"{zlib.crc32(body):08x}"}}'.encode("ascii")
+    # One buffer, the trailer added in place (a bytes result would copy the whole file
+    # once more to add it: ~50 ms for 200,000 records).
+    data = bytearray().join(parts)
+    data += frame(f'{{"end":{count},"crc32":"{zlib.crc32(data):08x}"}}'.encode("ascii"))
     if texts is not None:
         texts.clear()
-    return body + frame(trailer)
+    return data
 
 
 def log_entry(

@@ -29,7 +29,7 @@ from .file_format import (
     parse_snapshot,
     replay,
     scan_log,
-    snapshot_bytes,
+    snapshot_buffer,
 )
 from .fileio import FileIO, default_io
 from .group_commit import GroupCommit
@@ -471,7 +471,7 @@ class FileKv(OwnedValuesKv):
         """Replace the snapshot by a rename (BACK-6): atomic against a process crash, and
         against a power cut with ``fsync`` only (data forced before the rename, the
         directory after). Raises ``_SnapshotWriteFailed``."""
-        data = snapshot_bytes(records, log_seq, self._snapshot_lines, self._value_texts)
+        data = snapshot_buffer(records, log_seq, self._snapshot_lines, self._value_texts)
         tmp = self._path + ".tmp"
         try:
             self._io.write_file(tmp, data, fsync=self._fsync)

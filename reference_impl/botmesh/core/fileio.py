@@ -90,9 +90,10 @@ class FileIO:
         return os.path.exists(path)
 
     # -- whole-file writes --------------------------------------------------------------
-    def write_file(self, path: str, data: bytes, *, fsync: bool) -> None:
+    def write_file(self, path: str, data: bytes | bytearray, *, fsync: bool) -> None:
         """Create or truncate ``path`` and write ``data``; with ``fsync`` force it to disk
-        before returning."""
+        before returning. The file backend hands its snapshot over as a ``bytearray``
+        (built in place, not copied once more into ``bytes``); it is not changed later."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             self._write_all(fd, data)
@@ -285,7 +286,7 @@ class FileIO:
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
-    def _write_all(fd: int, data: bytes) -> None:
+    def _write_all(fd: int, data: bytes | bytearray) -> None:
         # os.write may write less than asked (signals, pipes, quotas): loop until done.
         view = memoryview(data)
         while view:
