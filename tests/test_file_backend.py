@@ -1994,6 +1994,27 @@ def test_a_snapshot_taking_the_values_texts_of_their_writes_is_the_same_file(
     assert texts == {}
 
 
+@pytest.mark.spec("BACK-6")
+def test_a_snapshot_that_failed_to_encode_leaves_the_kept_lines_true() -> None:
+    """A record whose value cannot be encoded (here a set) makes the snapshot raise; the
+    next snapshot made with the same kept lines, of records that changed again (back to
+    the very entry of the first snapshot, and a delete), is still the file made from
+    nothing."""
+    from botmesh.core.file_format import SnapshotLines, snapshot_bytes
+
+    first = ({"x": 1}, 1, None, None)
+    records: dict[tuple[str, str], dict[str, Any]] = {(S, "inbox"): {"a": first, "b": ({"y": 2}, 1, None, None)}}
+    lines: SnapshotLines = {}
+    snapshot_bytes(records, 1, lines)
+    records[(S, "inbox")]["a"] = ({"x": {1, 2}}, 2, None, None)
+    records[(S, "inbox")]["c"] = ({"z": 3}, 1, None, None)
+    with pytest.raises(TypeError):
+        snapshot_bytes(records, 2, lines)
+    records[(S, "inbox")]["a"] = first
+    del records[(S, "inbox")]["b"]
+    assert snapshot_bytes(records, 3, lines) == snapshot_bytes(records, 3)
+
+
 def _reference_entry(seq: int, op: str, scope: str, space: str, key: str, version: int, entry: Any) -> str:
     """A log entry as ``json.dumps`` writes its object (the format's definition)."""
     obj: dict[str, Any] = {"seq": seq, "op": op, "scope": scope, "space": space, "key": key, "version": version}

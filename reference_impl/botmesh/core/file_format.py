@@ -356,11 +356,16 @@ def snapshot_buffer(
         changed = list(compress(keys, map(_is_not, map(space_map.__getitem__, keys), map(made_from.get, keys))))
         for key in changed:
             entry = space_map[key]
+            # The old line stops counting before the new one is made, and the new one
+            # counts once it is in: an exception between the steps leaves no line
+            # standing for an entry it was not made from.
+            made_from.pop(key, None)
             space_lines[key] = _record_line(scope, space, key, entry, texts)
-            made_from[key] = entry  # (after the line: a line and its entry change together)
+            made_from[key] = entry
         if len(space_lines) != len(keys):  # records deleted since
             for key in space_lines.keys() - space_map.keys():
-                del space_lines[key], made_from[key]
+                del space_lines[key]
+                made_from.pop(key, None)
         parts.extend(map(space_lines.__getitem__, keys))
     if len(cache) != len(records):  # spaces gone
         for gone in cache.keys() - records.keys():
