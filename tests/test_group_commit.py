@@ -25,7 +25,7 @@ from botmesh.core.fileio import FileIO
 from botmesh.core.group_commit import GroupCommit
 from botmesh.core.spi import DurableKv
 from botmesh.core.turns import others_runnable
-from botmesh.sqlite_store import SQLiteKv
+from botmesh.sqlite_store import SQLiteKv, SQLiteStore
 from botmesh_testkit.crash.fs import PowerCutIO
 from botmesh_testkit.crash.fs.image import materialize
 
@@ -101,6 +101,87 @@ async def test_concurrent_writes_of_eight_tasks_share_one_sqlite_commit(tmp_path
     other = SQLiteKv(tmp_path / "bot.db")
     assert len(await other.scan(S, SP)) == 8
     await other.close()
+
+
+class TracingKv(SQLiteKv):
+    """SQLiteKv whose connection records every statement it runs (sqlite3's trace
+    callback), first word upper-cased: ``INSERT``, ``BEGIN``, ``COMMIT`` ..."""
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = super()._connect()
+        self.statements: list[str] = []
+        conn.set_trace_callback(lambda statement: self.statements.append(statement.split()[0].upper()))
+        return conn
+
+
+@pytest.mark.spec("BACK-1", "BACK-7")
+async def test_a_lone_sqlite_write_is_one_statement_and_a_lost_one_is_decided_in_a_transaction(tmp_path: Path) -> None:
+    """Issue 16: a write with no other write to share its commit runs as one statement, its
+    own transaction (the raw medium operation), not ``BEGIN IMMEDIATE`` + statement +
+    ``COMMIT``; it is on file for another connection at once. A lone write that changes
+    nothing (a lost compare-and-set, an ``INSERT`` of a key that exists) is run again in a
+    transaction that reads the version it found: ``VersionConflict`` with that version,
+    nothing written."""
+    kv = TracingKv(tmp_path / "bot.db")
+    await kv.open()
+    kv.statements.clear()
+    assert await kv.put(S, SP, "k", {"i": 1}, expected_version=0) == 1
+    assert await kv.put(S, SP, "k", {"i": 2}, expected_version=1) == 2
+    await kv.put(S, SP, "gone", {"i": 0}, expected_version=0)
+    await kv.delete(S, SP, "gone", expected_version=1)
+    assert kv.statements == ["INSERT", "UPDATE", "INSERT", "DELETE"]
+    other = SQLiteKv(tmp_path / "bot.db")
+    found = await other.get(S, SP, "k")
+    assert found is not None and (found.value, found.version) == ({"i": 2}, 2)
+    assert await other.get(S, SP, "gone") is None
+
+    kv.statements.clear()
+    with pytest.raises(VersionConflict) as lost:
+        await kv.put(S, SP, "k", {"i": 9}, expected_version=1)
+    assert lost.value.found == 2
+    assert kv.statements == ["UPDATE", "BEGIN", "UPDATE", "SELECT", "ROLLBACK"]
+    with pytest.raises(VersionConflict) as taken:
+        await kv.put(S, SP, "k", {"i": 9}, expected_version=0)
+    assert taken.value.found == 2
+    with pytest.raises(VersionConflict) as missing:
+        await kv.delete(S, SP, "never", expected_version=1)
+    assert missing.value.found == 0
+    found = await other.get(S, SP, "k")
+    assert found is not None and (found.value, found.version) == ({"i": 2}, 2)
+    await other.close()
+    await kv.close()
+
+
+class TracingStore(SQLiteStore):
+    """SQLiteStore recording the first word of every statement its connection runs."""
+
+    def _connection(self) -> sqlite3.Connection:
+        fresh = self._conn is None
+        conn = super()._connection()
+        if fresh:
+            self.statements: list[str] = []
+            conn.set_trace_callback(lambda statement: self.statements.append(statement.split()[0].upper()))
+        return conn
+
+
+@pytest.mark.spec("BACK-1")
+async def test_a_lone_store_write_is_one_statement_and_concurrent_ones_share_a_transaction(tmp_path: Path) -> None:
+    """Issue 16: the store's lone write (a message-log entry, a value) is one statement,
+    its own transaction; writes of several tasks at once still share one transaction."""
+    store = TracingStore(tmp_path / "bot.db")
+    await store.append_message({"chat_id": "c", "text": "hi"})
+    store.statements.clear()
+    await store.append_message({"chat_id": "c", "text": "again"})
+    await store.set("ns", "k", {"v": 1})
+    assert store.statements == ["INSERT", "INSERT"]
+    store.statements.clear()
+    await asyncio.gather(*(store.append_message({"chat_id": f"c{i}", "text": "x"}) for i in range(3)))
+    assert store.statements == ["BEGIN", "INSERT", "INSERT", "INSERT", "COMMIT"]
+    other = SQLiteStore(tmp_path / "bot.db")
+    assert [m["text"] for m in await other.messages()] == ["hi", "again", "x", "x", "x"]
+    assert await other.get("ns", "k") == {"v": 1}
+    await other.close()
+    await store.close()
 
 
 @pytest.mark.spec("BACK-7")

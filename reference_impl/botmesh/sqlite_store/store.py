@@ -201,10 +201,16 @@ class SQLiteStore(Store):
 
     def _commit(self, items: list[tuple[str, tuple[Any, ...], str]]) -> list[None]:
         """The statements of a group in one ``BEGIN IMMEDIATE`` transaction; a driver
-        error rolls it back and fails every write of the group."""
+        error rolls it back and fails every write of the group. A group of one statement
+        runs it alone, as its own transaction (autocommit: one statement instead of
+        three, as :meth:`SQLiteKv._commit <botmesh.sqlite_store.kv.SQLiteKv._commit>`)."""
         with self._lock:
             conn = self._connection()
             try:
+                if len(items) == 1:
+                    sql, params, _doing = items[0]
+                    conn.execute(sql, params)
+                    return [None]
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     for sql, params, _doing in items:
