@@ -344,6 +344,53 @@ def test_store_messages_keep_bytes_and_survive_reopen(db: Path) -> None:
     run(body)
 
 
+def _log_text(value: Any) -> Any:
+    """The message log's stored form by its definition: ``bytes`` (``bytearray``,
+    ``memoryview``) anywhere as ``{"$bytes": base64}`` (OUT-15), the rest as JSON has it."""
+    import base64
+
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        return {k: _log_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_log_text(v) for v in value]
+    return value
+
+
+_LOG_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False, allow_infinity=False),
+              st.text(max_size=6), st.binary(max_size=6), st.binary(max_size=4).map(bytearray)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
+                            st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=st.dictionaries(st.text(max_size=4), _LOG_VALUES, max_size=4))
+def test_a_message_log_entry_is_stored_as_its_definition_says_and_read_back(db: Path, content: dict[str, Any]) -> None:
+    """OUT-15, issue 16 (the entry is encoded by the JSON encoder itself, bytes through its
+    ``default``): for drawn entries with bytes, bytearrays, tuples and nested containers,
+    the stored text is ``json.dumps`` of the definition's form, and the log gives the
+    entry back with its bytes (tuples as lists, as JSON keeps them)."""
+
+    async def body() -> None:
+        store = SQLiteStore(db)
+        await store.append_message({"chat_id": "c", "content": content})
+        conn = sqlite3.connect(db)
+        try:
+            (text,) = conn.execute("SELECT entry FROM messages ORDER BY id DESC LIMIT 1").fetchone()
+        finally:
+            conn.close()
+        assert text == json.dumps(_log_text({"chat_id": "c", "content": content}))
+        (back,) = await store.messages("c", limit=1)
+        assert json.dumps(_log_text(back)) == text
+        await store.close()
+
+    run(body)
+
+
 def test_store_reopens_lazily_after_close(db: Path) -> None:
     """``close()`` is idempotent and releases the connection; a later call reopens."""
 

@@ -34,20 +34,23 @@ if TYPE_CHECKING:
 _BYTES_TAG = "$bytes"
 
 
-def _encode_entry(value: Any) -> Any:
-    """JSON-ready copy of a message-log entry: ``bytes`` become ``{"$bytes": base64}``
-    (the journal's convention, OUT-15)."""
+def _entry_default(value: Any) -> Any:
+    """How the message log's encoder writes what JSON has no form for: ``bytes``
+    (``bytearray``, ``memoryview``) as ``{"$bytes": base64}`` (the journal's convention,
+    OUT-15); anything else is the ``TypeError`` ``json.dumps`` raises. The encoder calls it
+    only for such values, so an entry without bytes is encoded without a walk of its own
+    in Python (issue 16: it used to be copied whole first)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {_BYTES_TAG: base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, dict):
-        return {k: _encode_entry(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_encode_entry(v) for v in value]
-    return value
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_ENTRY_ENCODER = json.JSONEncoder(default=_entry_default)
+"""The text a message-log entry is stored as: ``json.dumps``'s with bytes as above."""
 
 
 def _decode_entry(value: Any) -> Any:
-    """Inverse of :func:`_encode_entry`."""
+    """Inverse of the encoding above: ``{"$bytes": base64}`` back to ``bytes``."""
     if isinstance(value, dict):
         if len(value) == 1 and isinstance(value.get(_BYTES_TAG), str):
             try:
@@ -180,7 +183,7 @@ class SQLiteStore(Store):
     async def append_message(self, entry: dict[str, Any]) -> None:
         """Append ``entry`` to the message log."""
         try:
-            text = json.dumps(_encode_entry(entry))
+            text = _ENTRY_ENCODER.encode(entry)
         except (TypeError, ValueError) as exc:
             raise BackendUnavailableError(f"message log entry is not JSON: {exc}") from exc
         chat_id = entry.get("chat_id") if isinstance(entry, dict) else None
