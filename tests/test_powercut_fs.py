@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 import pytest
 
 from botmesh.core.errors import JournalCorruptError
@@ -387,6 +388,36 @@ def test_in_process_io_resolves_a_name_again_once_it_renamed_or_removed_it(tmp_p
     assert files.get("journal") == b"new" and files.get("other") == b"own file", files
     assert "tmp" not in files
     assert io.crash("drop").files.get("journal") == b"new"
+
+
+async def test_in_process_io_keeps_the_resolutions_of_regular_files_it_renames(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16: a snapshot-only journal renames ``journal.json.tmp`` over
+    ``journal.json`` at every write; renaming a regular file changes what no path
+    resolves to, so PowerCutIO resolves each name once, not twice per write (the
+    links of the test above are still resolved again). The recorded state is the
+    journal's."""
+    work = tmp_path / "work"
+    work.mkdir()
+    io = PowerCutIO(work)
+    kv = FileKv(work / "journal.json", fsync=True, io=io)
+    await kv.open()
+    await kv.put("s", "sp", "k", {"i": 0}, expected_version=0)
+    resolved: list[str] = []
+    real = os.path.realpath
+
+    def counting(path: Any, *args: Any, **kwargs: Any) -> Any:
+        resolved.append(os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", counting)
+    for i in range(1, 11):
+        await kv.put("s", "sp", "k", {"i": i}, expected_version=i)
+    monkeypatch.undo()
+    assert resolved == [], f"ten writes resolved {len(resolved)} paths again: {sorted(set(resolved))}"
+    snapshot = io.model.visible_state().files["journal.json"]
+    assert snapshot == (work / "journal.json").read_bytes() and b'{"i":10}' in snapshot
+    kv.abandon()
 
 
 # == the FUSE mount ===============================================================================

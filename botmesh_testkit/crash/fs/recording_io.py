@@ -76,11 +76,12 @@ class PowerCutIO(FileIO):
 
         Resolved with ``os.path.realpath`` once per spelling of a path and kept (issue 16:
         a crash cell of a file journal resolved the same few paths about 13 times, 3 % of
-        a ``file+log`` cell's instructions and 9 % of a ``file`` cell's). A kept answer is
-        dropped when this object renames over or removes that path (:meth:`replace`,
-        :meth:`remove`), the ways ``FileIO`` can make a name stand for another file. A
-        symbolic link made or changed under the root by other means while this object is
-        in use is not seen — nothing that records through it does that."""
+        a ``file+log`` cell's instructions and 9 % of a ``file`` cell's). Only symbolic
+        links make a path string resolve to another place, so a kept answer is dropped
+        when this object renames or removes a symbolic link at that path
+        (:meth:`replace`, :meth:`remove`); renaming or removing a regular file keeps
+        them. A symbolic link made or changed under the root by other means while this
+        object is in use is not seen — nothing that records through it does that."""
         try:
             return self._rels[path]
         except KeyError:
@@ -123,10 +124,15 @@ class PowerCutIO(FileIO):
                 self.model.fsync(ino)
 
     def replace(self, src: str, dst: str) -> None:
-        """See :meth:`FileIO.replace`."""
+        """See :meth:`FileIO.replace`. The kept resolutions of ``src`` and ``dst`` stay
+        unless one of them is a symbolic link (a rename of regular files changes what no
+        path string resolves to; one ``lstat`` each instead of resolving both again at
+        the next write: issue 16, a ``file`` cell renames at every write)."""
+        links = os.path.islink(src) or os.path.islink(dst)
         super().replace(src, dst)
-        self._rels.pop(src, None)
-        self._rels.pop(dst, None)
+        if links:
+            self._rels.pop(src, None)
+            self._rels.pop(dst, None)
         rs, rd = self._rel(src), self._rel(dst)
         if rs is not None and rd is not None:
             self.model.rename(rs, rd)
@@ -191,8 +197,10 @@ class PowerCutIO(FileIO):
         """See :meth:`FileIO.remove`."""
         rel = self._rel(path)
         existed = os.path.lexists(path)
+        link = existed and os.path.islink(path)
         super().remove(path)
-        self._rels.pop(path, None)
+        if link:
+            self._rels.pop(path, None)
         if rel is not None and existed and self.model.lookup(rel) is not None:
             self.model.unlink(rel)
 
