@@ -219,15 +219,17 @@ def encode_checked(value: Any) -> str:
     return "".join(_C_ENCODE(value, 0))
 
 
-def encode_json_object(value: Any) -> str:
+def encode_json_object(value: Any, encoder: json.JSONEncoder = _ENCODER) -> str:
     """``value`` encoded as compact JSON text, raising ``TypeError`` when it is not a
     JSON object (``ValueError`` for NaN/infinity and for nesting too deep to encode):
     the one encoding a kv needs to store a value it must not alias. Decoding the text
-    gives what :func:`check_json_object` returns."""
+    gives what :func:`check_json_object` returns. ``encoder``: another
+    ``json.JSONEncoder(allow_nan=False, ...)`` for a kv that stores its text otherwise
+    spaced (the SQLite kv)."""
     if not isinstance(value, dict):
         raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
     try:
-        return _ENCODER.encode(value)
+        return encoder.encode(value)
     except RecursionError:
         raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
 

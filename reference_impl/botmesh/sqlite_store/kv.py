@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 from ..core.errors import BackendUnavailableError, VersionConflict
 from ..core.group_commit import GroupCommit
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan
-from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index
+from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, encode_json_object
 from ._db import DEFAULT_BUSY_TIMEOUT_MS, check_busy_timeout, check_file, connect, rollback_quietly, unavailable
 from ._integrity import check_row, row_crc
 
@@ -79,15 +79,12 @@ def _value_text(value: Any) -> str:
     """The text ``value`` is stored as: ``_VALUE_ENCODER.encode(check_json_object(value))``
     — the same text for every value JSON keeps as it is, and the same errors (``TypeError``
     for a value that is no ``dict`` or holds what JSON cannot encode, ``ValueError`` for
-    NaN, infinity, a cycle or nesting too deep) — without the deep copy, which a kv that
-    stores text has no use for (issue 16). A value JSON changes on the way (an ``int``
-    key, a tuple) reads back the same either way: it is the text's decoding."""
-    if not isinstance(value, dict):
-        raise TypeError(f"a DurableKv value must be a dict, got {type(value).__name__}")
-    try:
-        return _VALUE_ENCODER.encode(value)
-    except RecursionError:
-        raise ValueError("a DurableKv value nested too deeply to be stored as JSON") from None
+    NaN, infinity, a cycle or nesting too deep; :func:`~botmesh.core.spi.encode_json_object`)
+    — without the deep copy, which a kv that stores text has no use for (issue 16). A
+    value JSON changes on the way (an ``int`` key, a tuple) reads back the same either
+    way: it is the text's decoding."""
+    return encode_json_object(value, _VALUE_ENCODER)
+
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
 
