@@ -13,7 +13,8 @@ ctx.reply("ok")``: one inbound and one send per message, as in ``durable_through
 on ``FileDurability.open(path, append_log=True)`` (fsync on) in a temporary directory is
 fed ``--messages`` messages one at a time, in ``--blocks`` equal blocks; per block:
 msg/s, and the snapshot's size at its end. Baseline in the same run, same directory:
-the raw rate of ~200-byte appends each followed by ``os.fsync`` (best of 3 runs of 2,000).
+the raw rate of ~200-byte appends each followed by ``os.fsync`` (best of 3 runs of 2,000;
+``durable_throughput.py``'s raw medium (a)).
 
 Part 2, one fold's CPU. ``snapshot_buffer`` — the function the kv makes its snapshot with
 (``snapshot_bytes`` in a release without it) — for
@@ -47,6 +48,7 @@ from botmesh.core import file_format
 from botmesh.core.testing import MockProvider
 
 import _against
+from durable_throughput import raw_append
 
 SCOPE = "bench"
 
@@ -56,22 +58,10 @@ FOLD = getattr(file_format, "snapshot_buffer", file_format.snapshot_bytes)
 
 
 def raw_appends(workdir: str, n: int = 2000) -> float:
-    """fsync'ed appends/s of a ~200-byte line (best of 3)."""
-    best = 0.0
-    line = b"x" * 199 + b"\n"
-    for _ in range(3):
-        path = os.path.join(workdir, "raw.log")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
-        try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                os.write(fd, line)
-                os.fsync(fd)
-            best = max(best, n / (time.perf_counter() - t0))
-        finally:
-            os.close(fd)
-            os.unlink(path)
-    return best
+    """fsync'ed appends/s of a ~200-byte line, best of 3 (``durable_throughput.py``'s
+    raw medium (a))."""
+    path = os.path.join(workdir, "raw.log")
+    return n / min(raw_append(path, n, fsync=True) for _ in range(3))
 
 
 async def blocks(workdir: str, messages: int, count: int) -> list[dict[str, float]]:
@@ -95,7 +85,8 @@ async def blocks(workdir: str, messages: int, count: int) -> list[dict[str, floa
             for i in range(per):
                 await provider.receive("chat-1", "hi", id=f"m-{b}-{i}")
             seconds = time.perf_counter() - t0
-            out.append({"msg_s": per / seconds, "snapshot_kib": os.path.getsize(path) / 1024})
+            size = os.path.getsize(path) if os.path.exists(path) else 0  # (none before the first fold)
+            out.append({"msg_s": per / seconds, "snapshot_kib": size / 1024})
     finally:
         await bot.stop()
         await backend.close()
