@@ -72,18 +72,11 @@ _RANGE_SQL = {
 """A range read of each index (its rows whole: each is checked against its checksum)."""
 _VALUE_ENCODER = json.JSONEncoder(allow_nan=False)
 """``json.dumps(value, allow_nan=False)``'s encoder, built once (json.dumps with an option
-builds one per call): the text a value is stored as."""
-
-
-def _value_text(value: Any) -> str:
-    """The text ``value`` is stored as: ``_VALUE_ENCODER.encode(check_json_object(value))``
-    — the same text for every value JSON keeps as it is, and the same errors (``TypeError``
-    for a value that is no ``dict`` or holds what JSON cannot encode, ``ValueError`` for
-    NaN, infinity, a cycle or nesting too deep; :func:`~botmesh.core.spi.encode_json_object`)
-    — without the deep copy, which a kv that stores text has no use for (issue 16). A
-    value JSON changes on the way (an ``int`` key, a tuple) reads back the same either
-    way: it is the text's decoding."""
-    return encode_json_object(value, _VALUE_ENCODER)
+builds one per call): the text a value is stored as, through
+:func:`~botmesh.core.spi.encode_json_object` — the text and the errors
+``_VALUE_ENCODER.encode(check_json_object(value))`` gives, without the deep copy, which a
+kv that stores text has no use for (issue 16; a value JSON changes on the way, an ``int``
+key or a tuple, reads back the same either way)."""
 
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
@@ -235,7 +228,7 @@ class SQLiteKv(DurableKv):
         ``BEGIN IMMEDIATE`` transaction shared with the writes of other tasks made at the
         same moment (group commit: one ``COMMIT`` for all; see the module docstring)."""
         due, expires = check_put(scope, space, key, expected_version, due, expires)
-        text = _value_text(value)
+        text = encode_json_object(value, _VALUE_ENCODER)
         item = _Write(scope, space, key, text, expected_version, due, expires)
         return await self._write(item)
 
