@@ -515,6 +515,12 @@ def test_a_private_json_is_the_full_copy_of_to_json_and_shares_nothing_with_the_
         with_(leased_inbox(), lease_until=Ratio(1.5)), with_(leased_inbox(), lease_until=1e308, claimed_at=1e308),
         with_(leased_inbox(), attempts=True, token=2**70, lease_until=-0.0),
         with_(sending_outbox(), content=[1, 2]),
+        # extra fields holding scalars only (a transition's expires_at), or one not
+        # plain: a float subclass, a tuple, a nested dict, a bool, a huge int, None
+        with_(leased_inbox(), extra={"expires_at": NOW, "note": "x", "n": 2**70, "ok": False, "gone": None}),
+        with_(leased_inbox(), extra={"expires_at": Ratio(2.5)}), with_(leased_inbox(), extra={"pair": (1, 2)}),
+        with_(leased_inbox(), extra={1: "a key that is not text"}),
+        with_(sending_outbox(), extra={"expires_at": NOW, "more": {"k": [1]}}),
     ]
     for rec in good:
         full = check_json_object(rec.to_json())
@@ -528,6 +534,9 @@ def test_a_private_json_is_the_full_copy_of_to_json_and_shares_nothing_with_the_
         (with_(leased_inbox(), attempts=math.inf), ValueError), (with_(leased_inbox(), error={1, 2}), TypeError),
         (with_(leased_inbox(), event={"data": {"x": math.nan}}), ValueError),
         (with_(sending_outbox(), extra={"newer": {1, 2}}), TypeError),
+        (with_(leased_inbox(), extra={"expires_at": math.nan}), ValueError),
+        (with_(leased_inbox(), extra={"expires_at": -math.inf}), ValueError),
+        (with_(leased_inbox(), extra={"n": b"bytes"}), TypeError),
     ]
     for rec, error in bad:
         with pytest.raises(error):

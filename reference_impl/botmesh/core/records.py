@@ -31,6 +31,25 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 _SCALAR_TYPES = frozenset({"str", "int", "float", "bool", "None"})
+def _scalar_fields(extra: dict[Any, Any]) -> dict[str, Any] | None:
+    """``extra`` itself when its keys are ``str`` and its values JSON scalars (``str``,
+    ``int``, ``bool``, ``None``, finite ``float``, exactly those types) — what
+    :func:`~botmesh.core.spi.check_json_object` would give an equal copy of, and the
+    caller copies the entries out of it —, else None (issue 16: a transition to done or
+    sent adds ``expires_at`` as an extra field, and the copy of that one-entry dict cost
+    more than this look)."""
+    for key, value in extra.items():
+        t = type(value)
+        if type(key) is not str:
+            return None
+        if t is float:
+            if value - value != 0.0:  # NaN or infinity
+                return None
+        elif t is not str and t is not int and t is not bool and value is not None:
+            return None
+    return extra
+
+
 _TEXT_TYPES, _TEXT_CLASSES = frozenset({"str", "None"}), frozenset({str, type(None)})
 _NUMBER_TYPES, _NUMBER_CLASSES = frozenset({"int", "float", "bool", "None"}), frozenset({int, float, bool, type(None)})
 
@@ -171,7 +190,7 @@ class _Record:
             if given is None or given.get(name) is not value:
                 data[name] = check_json_object(value)
         if extra:
-            data.update(check_json_object(extra))
+            data.update(_scalar_fields(extra) or check_json_object(extra))
         return data
 
     @classmethod
