@@ -15,7 +15,10 @@ history check. Reported: cells, their total seconds, cells/s (= cells / that tot
 mean, median, p90 and max per-cell time, and how many cells failed (a correct backend
 fails none) or did not crash (a point the run did not reach again). The dry runs are
 timed apart and not counted in cells/s.
-``--cells N`` runs an evenly spaced subset of N cells per backend.
+``--cells N`` runs an evenly spaced subset of N cells per backend. ``--passes N`` runs
+the chosen cells N times over, one pass after the other, every cell timed (a cell is
+counted once per pass): a backend whose cells take half a second in all gives a figure
+that one slow moment of the machine moves a lot; several passes give a steadier one.
 
 Baseline of part 1, measured in the same run: the crash-free run of the same workload on
 the same backend (``oracle()``: start, feed, drain, with a ``crashable`` armed with
@@ -203,7 +206,7 @@ async def bench_cells(backend: str, profile: Any, seed: int, args: argparse.Name
         for _ in range(args.baseline_runs - 1):
             _, seconds = await timed_oracle(backend, workload, seed, args.cell_timeout)
             res.dry_seconds[workload].append(seconds)
-    for cell in chosen:
+    for cell in chosen * args.passes:  # every pass the same cells in the same order
         t0 = time.perf_counter()
         with cell_dir("botmesh-bench-cell-") as tmp:
             try:
@@ -460,7 +463,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if "cells" in args.parts:
         print(f"cells:    profile {profile.name!r} ({', '.join(profile.workloads)}; {', '.join(profile.policies)}; "
               f"{profile.random_per_workload} random/workload), seed {args.seed}, "
-              f"{'all cells' if args.cells is None else f'at most {args.cells} cells'} per backend, sequential; "
+              f"{'all cells' if args.cells is None else f'at most {args.cells} cells'} per backend"
+              f"{'' if args.passes == 1 else f' x {args.passes} passes'}, sequential; "
               f"baseline: crash-free dry run of the workload, median of {args.baseline_runs}", file=out)
     if "overhead" in args.parts:
         print(f"overhead: bot replying once per message, real clock; per repetition a bare and a crashable bot, "
@@ -622,6 +626,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="seed of the random cells (default 1)")
     p.add_argument("--cells", type=int, default=None, metavar="N",
                    help="run at most N cells per backend, evenly spaced over the profile's cells (default: all)")
+    p.add_argument("--passes", type=int, default=1, metavar="N",
+                   help="run the chosen cells N times over, all timed (default 1; more: a steadier cells/s)")
     p.add_argument("--baseline-runs", type=int, default=3,
                    help="crash-free dry runs per workload for the baseline; the median is used (default 3)")
     p.add_argument("--cell-timeout", type=float, default=120.0, help="seconds allowed per cell (default 120)")
@@ -642,7 +648,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
     if not args.parts or any(x not in PARTS for x in args.parts):
         p.error(f"--parts: choose from {', '.join(PARTS)}")
-    for name in ("messages", "fast_messages", "slow_messages", "block", "repeat", "baseline_runs"):
+    for name in ("messages", "fast_messages", "slow_messages", "block", "repeat", "baseline_runs", "passes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.cells is not None and args.cells < 1:

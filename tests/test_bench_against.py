@@ -159,3 +159,21 @@ def test_every_benchmark_offers_against() -> None:
         assert "--against REF" in out.stdout, script.name
         if script.name != "engine_cost.py":
             assert "--rounds N" in out.stdout, script.name
+
+
+def test_crash_cells_passes_run_the_chosen_cells_over_again(tmp_path: Path) -> None:
+    """``crash_cells.py --passes N`` runs the chosen cells N times over, each counted: with
+    ``--cells 3 --passes 2`` six cells ran (of the profile's own number), none failed; a
+    pass count below one is refused naming the option."""
+    out = tmp_path / "cells.json"
+    run = subprocess.run([sys.executable, str(BENCH / "crash_cells.py"), "--backends", "memory", "--parts", "cells",
+                          "--cells", "3", "--passes", "2", "--baseline-runs", "1", "--json", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads(out.read_text())["backends"]["memory"]["cells"]
+    assert (summary["cells"], summary["failed"]) == (6, 0), summary
+    assert summary["cells_in_profile"] > 3
+    assert "x 2 passes" in run.stdout
+    bad = subprocess.run([sys.executable, str(BENCH / "crash_cells.py"), "--parts", "cells", "--passes", "0"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--passes must be >= 1" in bad.stderr
