@@ -246,3 +246,44 @@ async def test_a_journal_claiming_no_survives_crash_is_not_judged_by_power_cuts(
     assert all(o.power_cut_states is None for o in result.outcomes)
     synced = await run_matrix(["file"], ["one-send"], policies=["skip"], seed=2)
     assert all(o.power_cut_states is not None for o in synced.outcomes if o.crashed)
+
+
+@pytest.mark.spec("BACK-6", "TEST-4")
+async def test_a_cell_with_nothing_unsynced_skips_the_states_and_their_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash point with nothing unsynced (the real journal at most points) has no state
+    to recover: the cell learns it from the model's window alone, and forks no world for
+    it (issue 16). Over every cell of a real journal and of one acknowledging before its
+    fsync (windows at every point), the states a cell recovers are exactly those of
+    every crash state the model gives minus the one on disk, and a world is forked only
+    for a cell that has some."""
+    import botmesh_testkit.matrix.powercut_states as pcs
+
+    planted: dict[str, Any] = {}
+    exec(compile(BUGGY, "planted_journals", "exec"), planted)  # noqa: S102 - the module text above
+    monkeypatch.setitem(HARNESSES, "file+log-ack-early", planted["AckBeforeFsync"])
+    captured = pcs.PowerCutStates.capture.__func__  # type: ignore[attr-defined]
+    seen: list[tuple[int, int]] = []  # per crashed cell: (unsynced operations, states)
+
+    async def compared(cls: Any, world: World, io: Any, cell: Any, seed: int) -> Any:
+        every = list(io.crash_states(subsets=pcs.SUBSETS, seed=f"{seed}/{cell.id}", torn=True))
+        expected = choose(every, io.model.visible_state().fingerprint(), random.Random(f"{seed}/{cell.id}/powercut"))
+        forks_before = len(forks)
+        got = await captured(cls, world, io, cell, seed)
+        assert [s.fingerprint() for s in got.states] == [s.fingerprint() for s in expected], cell.id
+        assert got.window == len(every), cell.id
+        assert len(forks) - forks_before == (1 if got.states else 0), cell.id
+        seen.append((io.model.unsynced_ops(), len(got.states)))
+        return got
+
+    forks: list[World] = []
+    real_fork = World.fork
+
+    def counted_fork(self: World, harness: Any) -> World:
+        forks.append(self)
+        return real_fork(self, harness)
+
+    monkeypatch.setattr(pcs.PowerCutStates, "capture", classmethod(compared))
+    monkeypatch.setattr(World, "fork", counted_fork)
+    result = await run_matrix(["file+log", "file+log-ack-early"], ["one-send"], policies=["skip"], seed=4)
+    assert result.failed and all(o.cell.backend == "file+log-ack-early" for o in result.failed)  # caught, as before
+    assert any(n == 0 for n, _ in seen) and any(n > 0 and states > 0 for n, states in seen), seen
