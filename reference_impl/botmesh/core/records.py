@@ -31,6 +31,10 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 _SCALAR_TYPES = frozenset({"str", "int", "float", "bool", "None"})
+_TEXT_TYPES, _TEXT_CLASSES = frozenset({"str", "None"}), frozenset({str, type(None)})
+_NUMBER_TYPES, _NUMBER_CLASSES = frozenset({"int", "float", "bool", "None"}), frozenset({int, float, bool, type(None)})
+
+
 def _scalar_fields(extra: dict[Any, Any]) -> dict[str, Any] | None:
     """``extra`` itself when its keys are ``str`` and its values JSON scalars (``str``,
     ``int``, ``bool``, ``None``, finite ``float``, exactly those types) — what
@@ -49,9 +53,6 @@ def _scalar_fields(extra: dict[Any, Any]) -> dict[str, Any] | None:
             return None
     return extra
 
-
-_TEXT_TYPES, _TEXT_CLASSES = frozenset({"str", "None"}), frozenset({str, type(None)})
-_NUMBER_TYPES, _NUMBER_CLASSES = frozenset({"int", "float", "bool", "None"}), frozenset({int, float, bool, type(None)})
 
 Getter = Callable[[dict[str, Any]], tuple[Any, ...]]
 
