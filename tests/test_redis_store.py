@@ -29,9 +29,11 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -311,6 +313,88 @@ def test_bad_connection_options_are_config_errors(kwargs: dict[str, Any], option
     with pytest.raises(ConfigError) as info:
         RedisDurability(**kwargs)
     assert info.value.option == option  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("options", "extra"),
+    [
+        (["protocol", 2], {}),
+        ({1: 2}, {}),
+        ({"retry": None}, {}),
+        ({"retry_on_timeout": True}, {}),
+        ({"retry_on_error": []}, {}),
+        ({"no_such_redis_py_option": 1}, {}),
+        ({"protocol": 2}, {"client": "injected"}),
+    ],
+    ids=["not-a-mapping", "name-not-text", "retry", "retry_on_timeout", "retry_on_error", "unknown", "with-client"],
+)
+def test_bad_client_options_are_config_errors_naming_them(options: Any, extra: dict[str, Any]) -> None:
+    """``client_options``: a mapping of redis-py option names; nothing that makes the
+    client resend commands; only for a client the kv builds; an option redis-py does not
+    take is refused when the client is built — each a ``ConfigError`` naming
+    ``client_options``, nothing opened."""
+    kwargs: dict[str, Any] = {"url": URL, "client_options": options}
+    if extra.get("client") == "injected":
+        kwargs = {"client": _no_retry_client(URL), "client_options": options}
+    with pytest.raises(ConfigError) as info:
+        RedisDurability(**kwargs)
+    assert info.value.option == "client_options", info.value  # type: ignore[attr-defined]
+
+
+async def _wire(url: str, prefix: str, harness: RedisHarness | None = None, **options: Any) -> tuple[int, Counter[str]]:
+    """Round trips and commands on the wire (``CountingProxy``) of a kv's (or a
+    harness's backend's) first call: one ``put`` on a new connection."""
+    from botmesh_testkit.servers.roundtrips import CountingProxy
+
+    parts = urlsplit(url)
+    async with CountingProxy(parts.hostname or "127.0.0.1", parts.port or 6379, protocol="redis") as proxy:
+        if harness is not None:
+            harness.url = proxy.url_for(url)
+            backend, _ = await harness.open()
+            kv = backend.kv
+        else:
+            kv = RedisKv(url=proxy.url_for(url), prefix=prefix, **options)
+        await kv.open()
+        try:
+            proxy.reset_counts()
+            await kv.put("s", "inbox", "a", {"n": 1}, expected_version=0)  # the connection is made for it
+            counts = proxy.reset_counts()
+        finally:
+            await kv.close()
+            if harness is not None:
+                harness.url = url
+                await harness.close()
+    return counts.round_trips, counts.commands
+
+
+async def test_client_options_reach_the_client_the_kv_builds_and_the_url_wins(redis_url: str, prefix: str) -> None:
+    """``client_options`` are the built client's, seen on the wire: with RESP2 and no
+    ``CLIENT SETINFO`` (the testkit's lean options) a new connection's first call is its
+    command alone; redis-py's defaults first send ``HELLO 3`` and the library's name and
+    version (redis-py 8 also asks for maintenance notifications): three round trips or
+    more; a ``protocol`` in the URL wins over the options."""
+    from botmesh_testkit.backends.redis import lean_client_options
+
+    trips, commands = await _wire(redis_url, prefix, client_options=lean_client_options())
+    assert (trips, sorted(commands)) == (1, ["EVALSHA"]), (trips, commands)
+    trips, commands = await _wire(redis_url, prefix + "p")
+    assert commands["HELLO"] == 1 and commands["CLIENT"] >= 2 and trips >= 3, (trips, commands)
+    sep = "&" if "?" in redis_url else "?"
+    trips, commands = await _wire(f"{redis_url}{sep}protocol=3", prefix + "u", client_options=lean_client_options())
+    assert commands["HELLO"] == 1 and trips >= 2, (trips, commands)
+
+
+async def test_the_matrix_harness_connects_lean_and_the_others_as_redis_py_does(redis_url: str) -> None:
+    """The crash matrix asks every cell's harness to ``reuse_storage()``: a Redis harness
+    then builds its incarnations' clients with RESP2 and no ``CLIENT SETINFO`` (False:
+    storage is not pooled), so a new connection's first call is one round trip; a harness
+    the matrix did not ask keeps redis-py's defaults (three or more)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lean = RedisHarness(os.path.join(tmp, "matrix"), url=redis_url)
+        assert lean.reuse_storage() is False
+        assert (await _wire(redis_url, "", harness=lean))[0] == 1
+        plain = RedisHarness(os.path.join(tmp, "other"), url=redis_url)
+        assert (await _wire(redis_url, "", harness=plain))[0] >= 3
 
 
 @spec("GUAR-1", "BACK-3")

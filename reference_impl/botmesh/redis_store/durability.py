@@ -28,6 +28,8 @@ backend). ``survives_crash`` holds only when the server runs with AOF and
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from ..core.kv_durability import KvDurability
 from .kv import DEFAULT_PREFIX, ClusterSpec, RedisClient, RedisKv
@@ -35,7 +37,9 @@ from .kv import DEFAULT_PREFIX, ClusterSpec, RedisClient, RedisKv
 
 class RedisDurability(KvDurability):
     """:class:`~botmesh.core.kv_durability.KvDurability` over a :class:`RedisKv` (see the module
-    docstring). ``start()`` opens the kv, ``stop()`` closes it (and an own client)."""
+    docstring). ``start()`` opens the kv, ``stop()`` closes it (and an own client). The
+    connection arguments (``client``/``url``/``cluster``, ``prefix``, ``auto_pipeline``,
+    ``client_options``) are :class:`RedisKv`'s."""
 
     kv: RedisKv
 
@@ -49,8 +53,10 @@ class RedisDurability(KvDurability):
         logger: logging.Logger | None = None,
         name: str | None = "redis",
         auto_pipeline: bool = True,
+        client_options: Mapping[str, Any] | None = None,
     ) -> None:
-        kv = RedisKv(client=client, url=url, cluster=cluster, prefix=prefix, logger=logger, auto_pipeline=auto_pipeline)
+        kv = RedisKv(client=client, url=url, cluster=cluster, prefix=prefix, logger=logger, auto_pipeline=auto_pipeline,
+                     client_options=client_options)
         super().__init__(kv, own_kv=True, name=name)
 
     @property

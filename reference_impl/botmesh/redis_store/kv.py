@@ -116,7 +116,7 @@ import json
 import logging
 import math
 import unicodedata
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
@@ -265,32 +265,69 @@ def client_retries(client: RedisClient) -> int:
     return 0
 
 
-def _client_options() -> dict[str, Any]:
+_RETRYING_OPTIONS = ("retry", "retry_on_error", "retry_on_timeout", "cluster_error_retry_attempts")
+"""redis-py client options that make a client resend commands: refused in ``client_options``."""
+
+
+def check_client_options(options: Any) -> dict[str, Any]:
+    """``client_options`` (see :class:`RedisKv`) as a dict; :class:`ConfigError` naming
+    the option (and the key at fault) for a value that is not a mapping of names, or a
+    name that would make the client resend commands."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"client_options: expected a mapping of redis-py client options, got {options!r}",
+                          option="client_options", value=options)
+    for key in options:
+        if not isinstance(key, str):
+            raise ConfigError(f"client_options: option names are strings, got {key!r}", option="client_options",
+                              value=key)
+        if key in _RETRYING_OPTIONS:
+            raise ConfigError(
+                f"client_options: {key!r} is not allowed: the kv's client never resends a command by itself "
+                "(a resent write may apply twice; a landed compare-and-set replayed becomes a false conflict)",
+                option="client_options", value=key)
+    return dict(options)
+
+
+def _client_options(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return {"retry": _no_retry(), "socket_timeout": DEFAULT_SOCKET_TIMEOUT_S,
-            "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT_S, **driver_options()}
+            "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT_S, **driver_options(), **(extra or {})}
 
 
-def _client_from_url(url: Any) -> Redis:
+def _client_from_url(url: Any, extra: Mapping[str, Any] | None = None) -> Redis:
     if not isinstance(url, str) or not url:
         raise ConfigError(f"url: expected a redis:// URL string, got {url!r}", option="url", value=url)
     try:
-        client = Redis.from_url(url, retry_on_error=[], **_client_options())
+        client = Redis.from_url(url, retry_on_error=[], **_client_options(extra))
     except (ValueError, TypeError, RedisError) as exc:
+        if extra:  # an option redis-py does not take (or a value it refuses) is as likely as the URL
+            raise ConfigError(f"url or client_options: redis-py refused them ({exc}): url {url!r}, client_options "
+                              f"{sorted(extra)}", option="client_options", value=extra) from exc
         raise ConfigError(f"url: not a usable Redis URL ({exc}): {url!r}", option="url", value=url) from exc
     pool = client.connection_pool  # (no connection made yet: each will be of this class)
+    if extra:
+        try:  # redis-py takes any keyword here and refuses an unknown one only at the first connect
+            pool.connection_class(**pool.connection_kwargs)  # (builds the object: nothing is connected)
+        except (ValueError, TypeError, RedisError) as exc:
+            raise ConfigError(f"client_options: redis-py refused them ({exc}): {sorted(extra)}",
+                              option="client_options", value=extra) from exc
     pool.connection_class = direct_send(pool.connection_class)
     return client
 
 
-def _cluster_from_spec(cluster: Any) -> RedisCluster:
+def _cluster_from_spec(cluster: Any, extra: Mapping[str, Any] | None = None) -> RedisCluster:
     def bad(why: str) -> ConfigError:
+        if extra and why.startswith("cannot build"):
+            return ConfigError(f"cluster or client_options: {why}, cluster {cluster!r}, client_options "
+                               f"{sorted(extra)}", option="client_options", value=extra)
         return ConfigError(f"cluster: {why}, got {cluster!r}", option="cluster", value=cluster)
 
     try:
         if isinstance(cluster, str):
             if not cluster:
                 raise bad("expected a redis:// URL or a list of 'host:port' startup nodes")
-            return RedisCluster.from_url(cluster, **_client_options())
+            return RedisCluster.from_url(cluster, **_client_options(extra))
         if not isinstance(cluster, Sequence) or not cluster:
             raise bad("expected a redis:// URL or a non-empty list of 'host:port' startup nodes")
         nodes: list[ClusterNode] = []
@@ -304,7 +341,7 @@ def _cluster_from_spec(cluster: Any) -> RedisCluster:
                 nodes.append(ClusterNode(node[0], node[1]))
             else:
                 raise bad(f"a startup node is 'host:port' or (host, port), not {node!r}")
-        return RedisCluster(startup_nodes=nodes, **_client_options())
+        return RedisCluster(startup_nodes=nodes, **_client_options(extra))
     except ConfigError:
         raise
     except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
@@ -368,6 +405,14 @@ class RedisKv(DurableKv):
     calls made while others are in flight go out together as one pipeline (one round
     trip; see :mod:`botmesh.redis_store._pipeline`); False: one connection and one round
     trip per call. A ``RedisCluster`` never pipelines.
+    ``client_options`` (only with ``url`` or ``cluster``) — more keyword arguments for the
+    redis-py client the kv builds (``Redis.from_url`` / ``RedisCluster``), over its own
+    (no retries, the socket timeouts, the driver's name): for example TLS settings, a
+    ``protocol``, a ``client_name``, or ``driver_info=DriverInfo(name=None,
+    lib_version=None)`` to send no ``CLIENT SETINFO`` on each new connection. Options in
+    the URL's query string win over these. Options that make the client resend commands
+    (``retry``, ``retry_on_error``, ``retry_on_timeout``, ``cluster_error_retry_attempts``)
+    are refused; a bad one is a ``ConfigError`` naming ``client_options``.
     """
 
     capabilities = Capabilities(survives_crash=True, multi_process=True, multi_host=True, shared=True)
@@ -381,6 +426,7 @@ class RedisKv(DurableKv):
         prefix: str = DEFAULT_PREFIX,
         logger: logging.Logger | None = None,
         auto_pipeline: bool = True,
+        client_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(auto_pipeline, bool):
             raise ConfigError(
@@ -395,6 +441,10 @@ class RedisKv(DurableKv):
                 value=given,
             )
         self._prefix = check_prefix(prefix)
+        self._client_options = check_client_options(client_options)
+        if self._client_options and client is not None:
+            raise ConfigError("client_options: only for a client the kv builds (url= or cluster=), not with client=",
+                              option="client_options", value=client_options)
         self._logger = logger if logger is not None else log
         self._url = url
         self._cluster = cluster
@@ -454,8 +504,8 @@ class RedisKv(DurableKv):
 
     def _new_client(self) -> RedisClient:
         if self._cluster is not None:
-            return _cluster_from_spec(self._cluster)
-        return _client_from_url(self._url)
+            return _cluster_from_spec(self._cluster, self._client_options)
+        return _client_from_url(self._url, self._client_options)
 
     @staticmethod
     def _register(client: RedisClient) -> dict[str, Any]:
