@@ -344,8 +344,14 @@ def test_bad_client_options_are_config_errors_naming_them(options: Any, extra: d
 async def _wire(url: str, prefix: str, harness: RedisHarness | None = None, **options: Any) -> tuple[int, Counter[str]]:
     """Round trips and commands on the wire (``CountingProxy``) of a kv's (or a
     harness's backend's) first call: one ``put`` on a new connection."""
+    from botmesh.redis_store._lua import PUT
     from botmesh_testkit.servers.roundtrips import CountingProxy
 
+    loader = redis.Redis.from_url(url)
+    try:  # the script in the server's cache first: a NOSCRIPT answer would add its reload
+        loader.script_load(PUT)
+    finally:
+        loader.close()
     parts = urlsplit(url)
     async with CountingProxy(parts.hostname or "127.0.0.1", parts.port or 6379, protocol="redis") as proxy:
         if harness is not None:
