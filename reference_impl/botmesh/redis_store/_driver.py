@@ -1,14 +1,18 @@
-"""What every Redis client of the backend tells the server about itself, and how the
-clients it builds from a URL send a command (:func:`direct_send`)."""
+"""What every Redis client of the backend tells the server about itself, which other
+client options it takes (:func:`check_client_options`), and how the clients it builds
+from a URL send a command (:func:`direct_send`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from redis.exceptions import ConnectionError as DriverConnectionError
 from redis.exceptions import TimeoutError as DriverTimeoutError
+
+from ..core.errors import ConfigError
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,3 +82,28 @@ def direct_send(connection_class: type) -> type:
         made = _DIRECT[connection_class] = type(connection_class.__name__, (_DirectSend, connection_class),
                                                 {"__module__": __name__})
     return made
+
+
+_RETRYING_OPTIONS = ("retry", "retry_on_error", "retry_on_timeout", "cluster_error_retry_attempts")
+"""redis-py client options that make a client resend commands: refused in ``client_options``."""
+
+
+def check_client_options(options: Any) -> dict[str, Any]:
+    """``client_options`` (see :class:`RedisKv`) as a dict; :class:`ConfigError` naming
+    the option (and the key at fault) for a value that is not a mapping of names, or a
+    name that would make the client resend commands."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"client_options: expected a mapping of redis-py client options, got {options!r}",
+                          option="client_options", value=options)
+    for key in options:
+        if not isinstance(key, str):
+            raise ConfigError(f"client_options: option names are strings, got {key!r}", option="client_options",
+                              value=key)
+        if key in _RETRYING_OPTIONS:
+            raise ConfigError(
+                f"client_options: {key!r} is not allowed: the kv's client never resends a command by itself "
+                "(a resent write may apply twice; a landed compare-and-set replayed becomes a false conflict)",
+                option="client_options", value=key)
+    return dict(options)

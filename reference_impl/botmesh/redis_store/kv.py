@@ -128,7 +128,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object, encode_checked
-from ._driver import direct_send, driver_options
+from ._driver import check_client_options, direct_send, driver_options
 from ._lua import DELETE, PUT, RANGES, SCAN
 from ._pipeline import AutoPipeline
 
@@ -263,31 +263,6 @@ def client_retries(client: RedisClient) -> int:
     if kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout"):
         return 1  # redis-py then builds Retry(NoBackoff(), 1)
     return 0
-
-
-_RETRYING_OPTIONS = ("retry", "retry_on_error", "retry_on_timeout", "cluster_error_retry_attempts")
-"""redis-py client options that make a client resend commands: refused in ``client_options``."""
-
-
-def check_client_options(options: Any) -> dict[str, Any]:
-    """``client_options`` (see :class:`RedisKv`) as a dict; :class:`ConfigError` naming
-    the option (and the key at fault) for a value that is not a mapping of names, or a
-    name that would make the client resend commands."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"client_options: expected a mapping of redis-py client options, got {options!r}",
-                          option="client_options", value=options)
-    for key in options:
-        if not isinstance(key, str):
-            raise ConfigError(f"client_options: option names are strings, got {key!r}", option="client_options",
-                              value=key)
-        if key in _RETRYING_OPTIONS:
-            raise ConfigError(
-                f"client_options: {key!r} is not allowed: the kv's client never resends a command by itself "
-                "(a resent write may apply twice; a landed compare-and-set replayed becomes a false conflict)",
-                option="client_options", value=key)
-    return dict(options)
 
 
 def _client_options(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
