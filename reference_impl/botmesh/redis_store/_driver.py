@@ -1,6 +1,6 @@
 """What every Redis client of the backend tells the server about itself, which other
-client options it takes (:func:`check_client_options`), and how the clients it builds
-from a URL send a command (:func:`direct_send`)."""
+client options it takes (:func:`check_client_options`, :func:`check_connection_options`),
+and how the clients it builds from a URL send a command (:func:`direct_send`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from redis.exceptions import ConnectionError as DriverConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as DriverTimeoutError
 
 from ..core.errors import ConfigError
@@ -107,3 +108,22 @@ def check_client_options(options: Any) -> dict[str, Any]:
                 "(a resent write may apply twice; a landed compare-and-set replayed becomes a false conflict)",
                 option="client_options", value=key)
     return dict(options)
+
+
+def options_refused(exc: BaseException, extra: Mapping[str, Any], where: str) -> ConfigError:
+    """The error of a client redis-py would not build with ``client_options`` given: an
+    option it does not take (or a value it refuses) is as likely as ``where`` (the URL or
+    the cluster)."""
+    return ConfigError(f"client_options or {where}: redis-py refused them ({exc}): client_options {sorted(extra)}",
+                       option="client_options", value=extra)
+
+
+def check_connection_options(client: Any, extra: Mapping[str, Any]) -> None:
+    """Build (without connecting) one connection object of ``client``: redis-py takes any
+    keyword at the client's construction and refuses an unknown one only at its first
+    connect. Once per kv, at its construction."""
+    pool = client.connection_pool
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except (ValueError, TypeError, RedisError) as exc:
+        raise options_refused(exc, extra, "the URL") from exc

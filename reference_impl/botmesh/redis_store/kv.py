@@ -128,7 +128,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ..core.errors import BackendUnavailableError, ConfigError, JournalCorruptError, VersionConflict
 from ..core.inputs import check_delete, check_put, check_range, check_record, check_scan, check_score
 from ..core.spi import Capabilities, DurableKv, IndexName, Versioned, check_index, check_json_object, encode_checked
-from ._driver import check_client_options, direct_send, driver_options
+from ._driver import check_client_options, check_connection_options, direct_send, driver_options, options_refused
 from ._lua import DELETE, PUT, RANGES, SCAN
 from ._pipeline import AutoPipeline
 
@@ -276,26 +276,16 @@ def _client_from_url(url: Any, extra: Mapping[str, Any] | None = None) -> Redis:
     try:
         client = Redis.from_url(url, retry_on_error=[], **_client_options(extra))
     except (ValueError, TypeError, RedisError) as exc:
-        if extra:  # an option redis-py does not take (or a value it refuses) is as likely as the URL
-            raise ConfigError(f"url or client_options: redis-py refused them ({exc}): url {url!r}, client_options "
-                              f"{sorted(extra)}", option="client_options", value=extra) from exc
+        if extra:
+            raise options_refused(exc, extra, f"url {url!r}") from exc
         raise ConfigError(f"url: not a usable Redis URL ({exc}): {url!r}", option="url", value=url) from exc
     pool = client.connection_pool  # (no connection made yet: each will be of this class)
-    if extra:
-        try:  # redis-py takes any keyword here and refuses an unknown one only at the first connect
-            pool.connection_class(**pool.connection_kwargs)  # (builds the object: nothing is connected)
-        except (ValueError, TypeError, RedisError) as exc:
-            raise ConfigError(f"client_options: redis-py refused them ({exc}): {sorted(extra)}",
-                              option="client_options", value=extra) from exc
     pool.connection_class = direct_send(pool.connection_class)
     return client
 
 
 def _cluster_from_spec(cluster: Any, extra: Mapping[str, Any] | None = None) -> RedisCluster:
     def bad(why: str) -> ConfigError:
-        if extra and why.startswith("cannot build"):
-            return ConfigError(f"cluster or client_options: {why}, cluster {cluster!r}, client_options "
-                               f"{sorted(extra)}", option="client_options", value=extra)
         return ConfigError(f"cluster: {why}, got {cluster!r}", option="cluster", value=cluster)
 
     try:
@@ -320,6 +310,8 @@ def _cluster_from_spec(cluster: Any, extra: Mapping[str, Any] | None = None) -> 
     except ConfigError:
         raise
     except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
+        if extra:
+            raise options_refused(exc, extra, f"cluster {cluster!r}") from exc
         raise bad(f"cannot build a cluster client ({exc})") from exc
 
 
@@ -443,6 +435,8 @@ class RedisKv(DurableKv):
                     value=client,
                 )
         self._client: RedisClient | None = client if client is not None else self._new_client()
+        if self._client_options and isinstance(self._client, Redis):
+            check_connection_options(self._client, self._client_options)
         self._scripts = self._register(self._client)
         self._pipeline = AutoPipeline(lambda: cast(Redis, self._live_client()), self._script_source) if auto_pipeline else None
         self._state = _NEW
