@@ -995,13 +995,13 @@ async def session_of(backend: Any) -> int:
 
 
 @pytest.mark.spec("TEST-3", "TEST-4")
-async def test_matrix_harnesses_take_the_connection_opened_ahead(pg_url: str, tmp_path: Path) -> None:
-    """With ``reuse_storage()`` (the crash matrix): when an incarnation's pool connects,
-    one more session is opened beside it; the next incarnation — the restart, then the
-    next harness's first — takes that session instead of connecting, and one more is
-    opened ahead. The dead incarnation's sessions are gone; the restarted one finds what
-    it committed. ``close()`` leaves the one ahead connected;
-    ``release_connections_ahead()`` ends it."""
+async def test_matrix_harnesses_hand_idle_sessions_on_and_open_one_ahead(pg_url: str, tmp_path: Path) -> None:
+    """With ``reuse_storage()`` (the crash matrix): when an incarnation's pool makes a new
+    connection, one more session is opened beside it, ahead. At a death, the sessions
+    lying idle in the dying incarnation's pool are handed to the next incarnation — the
+    restart, then the next harness's first — instead of being closed; the one ahead
+    waits for a connect that finds none. The restarted one finds what was committed.
+    ``release_connections_ahead()`` ends what is left."""
     url, app = tagged(pg_url)
     harness = PostgresHarness(str(tmp_path / "a"), url=url)
     assert harness.reuse_storage() is True
@@ -1011,26 +1011,141 @@ async def test_matrix_harnesses_take_the_connection_opened_ahead(pg_url: str, tm
     first = await wait_for_backends(pg_url, app, 2)
     own = await session_of(backend)
     assert len(first) == 2 and own in first
+    ahead = [pid for pid in first if pid != own]
     again, _ = await harness.reopen()
     await again.start()
     found = await again.inbox_get("s", "m1")
     assert found is not None and found.state == "pending"
-    restarted = await session_of(again)
-    assert restarted in first and restarted != own
-    second = await wait_for_backends(pg_url, app, 2)
-    assert own not in second and restarted in second and len(second) == 2
+    assert await session_of(again) == own  # the dead incarnation's idle session, handed on
+    assert sorted(await wait_for_backends(pg_url, app, 2)) == sorted(first)  # nothing new opened
     await harness.close()
-    left = await wait_for_backends(pg_url, app, 2)
-    ahead = [pid for pid in left if pid != janitor(url)]
-    assert len(left) == 2 and len(ahead) == 1 and ahead[0] not in first
+    left = await wait_for_backends(pg_url, app, 3)
+    assert sorted(left) == sorted([*first, janitor(url)])
     following = PostgresHarness(str(tmp_path / "b"), url=url)
     following.reuse_storage()
     backend, _ = await following.open()
     await backend.start()
-    assert await session_of(backend) == ahead[0]
+    assert await session_of(backend) == own
     await following.close()
     release_connections_ahead()
     assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
+    assert ahead and ahead[0] != own
+
+
+@pytest.mark.spec("TEST-3", "TEST-4")
+async def test_a_session_handed_on_keeps_nothing_of_the_dead_incarnation(pg_url: str, tmp_path: Path) -> None:
+    """A session handed to the next incarnation is reset with ``DISCARD ALL`` first, as a
+    session pooler resets one it gives out: the settings, prepared statements, temporary
+    tables and session advisory locks the dead incarnation left on it are gone; the
+    connection string's own options stay (``synchronous_commit=off``)."""
+    url, _ = tagged(pg_url)
+    harness = PostgresHarness(str(tmp_path), url=url)
+    harness.reuse_storage()
+    backend, _ = await harness.open()
+    await backend.start()
+    try:
+        async with backend.kv.pool.connection() as conn:
+            own = int(conn.info.backend_pid)
+            await conn.execute("SET work_mem = '7777kB'")
+            await conn.execute("PREPARE bm_left AS SELECT 1")
+            await conn.execute("CREATE TEMP TABLE bm_left_behind (x int)")
+            await conn.execute("SELECT pg_advisory_lock(4242001)")
+        again, _ = await harness.reopen()
+        await again.start()
+        async with again.kv.pool.connection() as conn:
+            assert int(conn.info.backend_pid) == own
+            cur = await conn.execute(
+                "SELECT current_setting('work_mem'), current_setting('synchronous_commit'),"
+                " (SELECT count(*) FROM pg_prepared_statements WHERE name = 'bm_left'),"
+                " to_regclass('pg_temp.bm_left_behind') IS NULL,"
+                " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
+            )
+            work_mem, synchronous_commit, prepared, temp_gone, locks = await cur.fetchone()  # type: ignore[misc]
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as fresh:
+            cur = await fresh.execute("SELECT current_setting('work_mem'), pg_try_advisory_lock(4242001)")
+            default_work_mem, free = await cur.fetchone()  # type: ignore[misc]
+            await fresh.execute("SELECT pg_advisory_unlock_all()")
+        assert work_mem == default_work_mem != "7777kB"
+        assert synchronous_commit == "off"
+        assert (prepared, temp_gone, locks, free) == (0, True, 0, True)
+    finally:
+        await harness.close()
+        release_connections_ahead()
+
+
+@pytest.mark.spec("TEST-3", "TEST-4")
+async def test_a_session_in_use_at_the_death_dies_with_it(pg_url: str, tmp_path: Path) -> None:
+    """A connection checked out of the dying incarnation's pool (a call in flight, here a
+    transaction left open) is never handed on: its session ends, the server rolls its
+    transaction back, and the restart gets another session."""
+    url, app = tagged(pg_url)
+    harness = PostgresHarness(str(tmp_path), url=url)
+    harness.reuse_storage()
+    backend, _ = await harness.open()
+    await backend.start()
+    try:
+        conn = await backend.kv.pool.getconn()
+        busy = int(conn.info.backend_pid)
+        await conn.execute("BEGIN")
+        await conn.execute("CREATE TABLE bm_never_committed (x int)")
+        again, _ = await harness.reopen()
+        await again.start()
+        assert await session_of(again) != busy
+        for _ in range(500):  # the server notices the closed socket on its own time
+            if busy not in await backends_of(pg_url, app):
+                break
+            await asyncio.sleep(0.02)
+        assert busy not in await backends_of(pg_url, app)
+        assert not await table_exists(pg_url, "bm_never_committed")
+    finally:
+        await harness.close()
+        release_connections_ahead()
+
+
+@pytest.mark.spec("TEST-3")
+async def test_a_plain_harness_hands_no_session_on(pg_url: str, tmp_path: Path) -> None:
+    """Without ``reuse_storage()`` (the conformance suite, the kill and power-cut loops) a
+    death ends every session of the dead incarnation; the restart connects anew."""
+    url, app = tagged(pg_url)
+    harness = PostgresHarness(str(tmp_path), url=url)
+    backend, _ = await harness.open()
+    await backend.start()
+    try:
+        own = await session_of(backend)
+        again, _ = await harness.reopen()
+        await again.start()
+        assert await session_of(again) != own
+        assert own not in await wait_for_backends(pg_url, app, 1)
+    finally:
+        await harness.close()
+
+
+@pytest.mark.spec("BACK-2")
+async def test_abandon_offers_only_idle_connections_to_keep_idle(pg_url: str, prefix: str) -> None:
+    """``PostgresKv.abandon(keep_idle=...)``: each connection idle in the own pool is
+    offered; one taken stays open after the pool is closed (it belongs to the caller),
+    one refused and one checked out die with the kv."""
+    kv = PostgresKv(connection_string=pg_url, table_prefix=prefix, min_size=3, max_size=3)
+    await kv.open()
+    await kv.pool.wait()
+    held = await kv.pool.getconn()
+    offered: list[Any] = []
+
+    def keep(conn: Any) -> bool:
+        offered.append(conn)
+        return len(offered) == 1
+
+    task = kv.abandon(keep_idle=keep)
+    assert task is not None
+    await task
+    try:
+        assert len(offered) == 2 and held not in offered
+        kept, refused = offered
+        assert held.closed and refused.closed and not kept.closed
+        cur = await kept.execute("SELECT 1")
+        assert await cur.fetchone() == (1,)
+    finally:
+        await offered[0].close()
 
 
 @pytest.mark.spec("TEST-3", "TEST-4")

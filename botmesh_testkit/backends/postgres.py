@@ -32,17 +32,33 @@ asynchronously as the matrix's incarnations do (below): the next harness's sessi
 the table empty at once; the pooled tables are dropped at the interpreter's exit
 (:func:`release_pooled_tables`).
 
-A connection opened ahead (also for the crash matrix, with the reused tables): connecting
-costs the server a new backend process, several times what a cell's statements cost, and
-each incarnation waited for its own. So whenever an incarnation's pool connects, the
-process opens one more connection beside it, which nobody uses yet: the next incarnation's
-first connect (the restart, or the next cell's first incarnation) takes it, and opens the
-next one ahead in turn. It is a fresh session that nothing ran a statement on — what a
-restarted process gets from its own connect; nothing of a dead incarnation is in it (its
-own connections are gone, dropped at its death as always). :meth:`PostgresHarness.close`
-waits until the one being opened is connected (a cell's event loop ends after it; the
-connection is not bound to a loop); :func:`release_connections_ahead` closes what is left
-(at exit).
+Idle sessions handed on (the crash matrix's harnesses, with the reused tables): a new
+session costs the server a backend process (forked, authenticated, its catalog caches
+cold), more than a cell's statements cost, and a cell made two. At a death, the sessions
+lying idle in the dying incarnation's pool — returned to it, no call of the kv using
+them, no transaction open — are not closed but kept (up to four per connection string;
+``PostgresKv.abandon(keep_idle=...)``), and the process's next connects take them (the
+restart, then the next cell's first incarnation), each in a new psycopg connection object
+and reset with ``DISCARD ALL`` first: what a session pooler (PgBouncer with its server
+reset query, for one) gives a restarted process. What the next incarnation can find on
+such a session is what a new one shows: no transaction of the dead incarnation (a
+session in use at the death is closed as before, and the server rolls its transaction
+back), none of its settings, prepared statements, temporary tables or session locks; the
+connection string's options (``synchronous_commit=off``, below) are the session's own.
+The server does not see those sessions end, which nothing in the backend's contract
+rests on; the harnesses judged on deaths as they are (the conformance suite, the kill and
+power-cut loops) hand nothing on. Measured: PostgreSQL crash cells 1.32x faster (issue 16,
+``benchmarks/README.md``).
+
+A connection opened ahead (also for the crash matrix): whenever an incarnation's pool
+connects and no idle session is kept (the process's first cell, a death with every
+session in use), the process opens one more connection beside it, which nobody uses yet;
+the next such connect takes it and opens the next one ahead in turn. It is a fresh
+session that nothing ran a statement on — what a restarted process gets from its own
+connect. :meth:`PostgresHarness.close` waits until the one being opened is connected (a
+cell's event loop ends after it; the connection is not bound to a loop);
+:func:`release_connections_ahead` closes what is left, the kept idle sessions too (at
+exit).
 
 Asynchronous commits (the crash matrix's harnesses too): their incarnations' sessions run
 with ``synchronous_commit=off`` (an ``-c`` option of the connection string). A commit is
@@ -218,8 +234,9 @@ class PostgresHarness(BackendHarness):
         return backend, self.store
 
     async def close(self) -> None:
-        """Drop every incarnation's connections and the table (the connection opened
-        ahead stays for the next harness, connected: module docstring)."""
+        """Drop every incarnation's connections and the table (with reused tables: the
+        last incarnation's idle sessions and the connection opened ahead stay for the next
+        harness, connected: module docstring)."""
         await _settle_ahead()
         schema = next((b.kv.schema for b in self.backends if b.kv.schema is not None), None)
         for backend in self.backends:
@@ -250,11 +267,12 @@ class PostgresHarness(BackendHarness):
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
             await conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name))
 
-    @staticmethod
-    async def _abandon(backend: Any) -> None:
-        """The simulated death: connections dropped now; the pool's tasks stopped too when
-        they belong to the running loop."""
-        task = backend.abandon()
+    async def _abandon(self, backend: Any) -> None:
+        """The simulated death: connections dropped now — with reused tables, the idle
+        ones handed to the next incarnation instead (module docstring); the pool's tasks
+        stopped too when they belong to the running loop."""
+        keep = functools.partial(_keep_idle, _asynchronous_commits(self.url)) if self._reuse else None
+        task = backend.abandon() if keep is None else backend.abandon(keep_idle=keep)
         if task is not None and task.get_loop() is asyncio.get_running_loop():
             await task
 
@@ -275,10 +293,64 @@ _AHEAD: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
 incarnation's first connect (module docstring)."""
 
 
-async def _connect_ahead(plain: Callable[..., Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
-    """A new connection for an incarnation's pool: the one opened ahead the same way when
-    there is one that works, else a new one (``plain``); either way, the next one is
-    opened ahead now."""
+_IDLE: dict[str, list[Any]] = {}
+"""Per connection string: the server sessions (libpq connections) that dead incarnations
+left idle, for the next incarnations' connects (module docstring)."""
+
+_IDLE_MAX = 4
+"""At most this many idle sessions kept per connection string (an incarnation's pool
+holds up to ``max_size``, 4 by default); a dying incarnation's others die with it."""
+
+_IDLE_KWARGS = frozenset({"autocommit", "connect_timeout"})
+"""The connect arguments a session handed over can honour (the kv's pool passes these)."""
+
+
+def _keep_idle(conninfo: str, conn: Any) -> bool:
+    """``PostgresKv.abandon``'s ``keep_idle`` for a matrix harness: keep the server session
+    of ``conn``, idle in a dying incarnation's pool (made with ``conninfo``), for the next
+    incarnation."""
+    stash = _IDLE.setdefault(conninfo, [])
+    if len(stash) >= _IDLE_MAX:
+        return False
+    _register_release()
+    stash.append(conn.pgconn)
+    return True
+
+
+async def _reuse_idle(cls: type[Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
+    """A connection of class ``cls`` on a session a dead incarnation left idle, reset with
+    ``DISCARD ALL`` (module docstring); None when no kept session still works."""
+    stash = _IDLE.get(conninfo)
+    if not stash or not _IDLE_KWARGS.issuperset(kwargs):
+        return None
+    import psycopg
+    from psycopg.pq import ConnStatus, TransactionStatus
+
+    while stash:
+        pgconn = stash.pop()
+        if pgconn.status != ConnStatus.OK or pgconn.transaction_status != TransactionStatus.IDLE:
+            pgconn.finish()
+            continue
+        conn = cls(pgconn)  # a new connection object: nothing of the dead one's client side
+        try:
+            await conn.set_autocommit(True)
+            await conn.execute("DISCARD ALL")
+            await conn.set_autocommit(bool(kwargs.get("autocommit", False)))
+        except psycopg.Error:  # the server ended the session meanwhile
+            pgconn.finish()
+            continue
+        return conn
+    return None
+
+
+async def _connect_ahead(cls: type[Any], plain: Callable[..., Any], conninfo: str, kwargs: dict[str, Any]) -> Any:
+    """A new connection for an incarnation's pool: a session a dead incarnation left idle
+    when there is one, else the one opened ahead the same way when there is one that
+    works, else a new one (``plain``); in the last two cases the next one is opened ahead
+    now."""
+    conn = await _reuse_idle(cls, conninfo, kwargs)
+    if conn is not None:
+        return conn
     try:
         key: tuple[Any, ...] = (conninfo, frozenset(kwargs.items()))
     except TypeError:  # an unhashable argument: nothing ahead
@@ -320,8 +392,12 @@ async def _settle_ahead() -> None:
 
 
 def release_connections_ahead() -> None:
-    """Close the connections opened ahead that no incarnation took (at exit, and for
-    tests); a pending one is cancelled."""
+    """Close the connections opened ahead that no incarnation took and the idle sessions
+    kept from dead incarnations (at exit, and for tests); a pending one is cancelled."""
+    for stash in _IDLE.values():
+        while stash:
+            with contextlib.suppress(Exception):
+                stash.pop().finish()
     for task in list(_AHEAD.values()):
         if not task.done():
             task.cancel()
@@ -349,7 +425,7 @@ def _ahead_connection_class() -> type[Any]:
     class AheadConnection(psycopg.AsyncConnection[Any]):
         @classmethod
         async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
-            return await _connect_ahead(super().connect, conninfo, kwargs)
+            return await _connect_ahead(cls, super().connect, conninfo, kwargs)
 
     return AheadConnection
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -100,9 +101,10 @@ class PostgresDurability(KvDurability):
         """True with ``connection_string`` (the pool is created at start, closed at stop)."""
         return self.kv.owns_pool
 
-    def abandon(self) -> asyncio.Task[None] | None:
-        """TEST ONLY: simulate the death of this process (see :meth:`PostgresKv.abandon`)."""
-        return self.kv.abandon()
+    def abandon(self, *, keep_idle: Callable[[Any], bool] | None = None) -> asyncio.Task[None] | None:
+        """TEST ONLY: simulate the death of this process (see :meth:`PostgresKv.abandon`,
+        and its ``keep_idle``)."""
+        return self.kv.abandon(keep_idle=keep_idle)
 
     def __repr__(self) -> str:
         return f"PostgresDurability({self.kv!r}, name={self.name!r})"

@@ -166,6 +166,7 @@ from ._config import (
     check_table_prefix,
     check_timeout,
 )
+from ._death import ABANDONED, close_pool_quietly, drop_connections, finish_abandoned, hand_over_idle
 from ._settings import show_settings
 from ._statements import Statements as _Statements
 from ._statements import statements_for
@@ -195,10 +196,6 @@ _CONCURRENT_DDL_ERRORS: tuple[type[psycopg.Error], ...] = (
 _DRIVER_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, UnicodeError)
 """Errors translated to ``BackendUnavailableError`` (psycopg-pool's derive from
 ``psycopg.OperationalError``)."""
-
-_ABANDONED: set[asyncio.Task[None]] = set()
-"""Pools of abandoned kvs being closed in the background (see :meth:`PostgresKv.abandon`)."""
-
 
 def _lock_key(name: str) -> int:
     """A signed 32-bit advisory-lock key for ``name``."""
@@ -238,31 +235,6 @@ def _input_pending(conn: Conn) -> bool:
         return bool(poller.poll(0))
     readable, _, _ = select.select([fd], [], [], 0)
     return bool(readable)
-
-
-def _drop_connections(connections: weakref.WeakSet[Conn]) -> None:
-    """Close every connection of ``connections`` at once, without a round trip or the event
-    loop (libpq ``PQfinish``): what the death of the process does to them."""
-    for conn in list(connections):
-        with contextlib.suppress(Exception):
-            if not conn.closed:
-                conn.pgconn.finish()
-    connections.clear()
-
-
-async def _close_pool_quietly(pool: Pool) -> None:
-    with contextlib.suppress(Exception):
-        await pool.close(timeout=1.0)
-
-
-async def _finish_abandoned() -> None:
-    """Wait until the pools of kvs abandoned on this event loop are closed."""
-    loop = asyncio.get_running_loop()
-    for task in [t for t in _ABANDONED if t.get_loop().is_closed()]:
-        _ABANDONED.discard(task)
-    pending = [t for t in _ABANDONED if t.get_loop() is loop and not t.done()]
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
 
 
 class PostgresKv(DurableKv):
@@ -377,7 +349,7 @@ class PostgresKv(DurableKv):
         async with self._open_lock:
             if self._state == _OPEN:
                 return
-            await _finish_abandoned()
+            await finish_abandoned()
             if self._injected_pool is not None:
                 pool = self._injected_pool
                 if pool.closed:
@@ -416,7 +388,7 @@ class PostgresKv(DurableKv):
                 statements = await self._run_on(pool, "open (create the table)", self._prepare)
             except BaseException:
                 if self._injected_pool is None:
-                    await _close_pool_quietly(pool)
+                    await close_pool_quietly(pool)
                 raise
             self._pool, self._sql, self._state = pool, statements, _OPEN
             self._loop = asyncio.get_running_loop()
@@ -432,24 +404,32 @@ class PostgresKv(DurableKv):
             except Exception as exc:  # noqa: BLE001 - a pool that fails to close is unavailable
                 raise self._unavailable("close", exc) from exc
 
-    def abandon(self) -> asyncio.Task[None] | None:
+    def abandon(self, *, keep_idle: Callable[[Conn], bool] | None = None) -> asyncio.Task[None] | None:
         """TEST ONLY: behave as if this process had died now. Later calls raise
         ``BackendUnavailableError``; the connections of the kv's own pool are closed at
         once (sockets dropped, nothing sent); nothing else happens, since every
         acknowledged write is committed already. When the event loop that opened the pool
         is still usable, the pool's tasks are stopped in the background: the returned task
         (the next :meth:`open` of a ``PostgresKv`` on that loop also waits for it).
-        An injected pool is left to its owner."""
+        An injected pool is left to its owner.
+
+        ``keep_idle``: first offered each connection lying idle in the own pool (no call
+        using it, no transaction open); one it returns True for is taken out of the pool
+        and left open for the caller, who owns it from then on — the crash matrix's
+        harness hands such sessions to the next incarnation, as a session pooler would
+        (``botmesh_testkit.backends.postgres``). Connections in use are dropped as ever."""
         pool, self._pool, self._sql, self._state = self._pool, None, None, _CLOSED
         if pool is None or self._injected_pool is not None:
             return None
-        _drop_connections(self._connections)
+        if keep_idle is not None:
+            hand_over_idle(pool, self._connections, keep_idle)
+        drop_connections(self._connections)
         loop = self._loop
         if loop is None or loop.is_closed():
             return None
-        task = loop.create_task(_close_pool_quietly(pool))
-        _ABANDONED.add(task)
-        task.add_done_callback(_ABANDONED.discard)
+        task = loop.create_task(close_pool_quietly(pool))
+        ABANDONED.add(task)
+        task.add_done_callback(ABANDONED.discard)
         return task
 
     async def durability_settings(self) -> dict[str, str]:
