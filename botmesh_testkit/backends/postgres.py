@@ -45,9 +45,10 @@ such a session is what a new one shows: no transaction of the dead incarnation (
 session in use at the death is closed as before, and the server rolls its transaction
 back), none of its settings, prepared statements, temporary tables or session locks; the
 connection string's options (``synchronous_commit=off``, below) are the session's own.
-The server does not see those sessions end, which nothing in the backend's contract
-rests on; the harnesses judged on deaths as they are (the conformance suite, the kill and
-power-cut loops) hand nothing on. Measured: PostgreSQL crash cells 1.32x faster (issue 16,
+The server does not see those sessions end, and their process ids live on: nothing in
+this backend rests on either (it never asks for a session's identity); the harnesses
+judged on deaths as they are (the conformance suite, the kill and power-cut loops) hand
+nothing on. Measured: PostgreSQL crash cells 1.32x faster (issue 16,
 ``benchmarks/README.md``).
 
 A connection opened ahead (also for the crash matrix): whenever an incarnation's pool
