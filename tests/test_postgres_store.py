@@ -1030,17 +1030,23 @@ async def test_matrix_harnesses_hand_idle_sessions_on_and_open_one_ahead(pg_url:
     assert await wait_for_backends(pg_url, app, 1) == [janitor(url)]  # the process's emptying connection
 
 
+async def started_matrix_harness(url: str, workdir: Path) -> tuple[PostgresHarness, Any]:
+    """A harness asked ``reuse_storage()`` (as the crash matrix asks it) and its first
+    incarnation, started."""
+    harness = PostgresHarness(str(workdir), url=url)
+    harness.reuse_storage()
+    backend, _ = await harness.open()
+    await backend.start()
+    return harness, backend
+
+
 @pytest.mark.spec("TEST-3", "TEST-4")
 async def test_a_session_handed_on_keeps_nothing_of_the_dead_incarnation(pg_url: str, tmp_path: Path) -> None:
     """A session handed to the next incarnation is reset with ``DISCARD ALL`` first, as a
     session pooler resets one it gives out: the settings, prepared statements, temporary
     tables and session advisory locks the dead incarnation left on it are gone; the
     connection string's own options stay (``synchronous_commit=off``)."""
-    url, _ = tagged(pg_url)
-    harness = PostgresHarness(str(tmp_path), url=url)
-    harness.reuse_storage()
-    backend, _ = await harness.open()
-    await backend.start()
+    harness, backend = await started_matrix_harness(tagged(pg_url)[0], tmp_path)
     try:
         async with backend.kv.pool.connection() as conn:
             own = int(conn.info.backend_pid)
@@ -1077,10 +1083,7 @@ async def test_a_session_in_use_at_the_death_dies_with_it(pg_url: str, tmp_path:
     transaction left open) is never handed on: its session ends, the server rolls its
     transaction back, and the restart takes the session opened ahead instead."""
     url, app = tagged(pg_url)
-    harness = PostgresHarness(str(tmp_path), url=url)
-    harness.reuse_storage()
-    backend, _ = await harness.open()
-    await backend.start()
+    harness, backend = await started_matrix_harness(url, tmp_path)
     try:
         conn = await backend.kv.pool.getconn()
         busy = int(conn.info.backend_pid)
