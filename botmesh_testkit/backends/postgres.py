@@ -177,7 +177,7 @@ class PostgresHarness(BackendHarness):
         from botmesh.postgres_store import PostgresDurability
 
         backend = PostgresDurability(
-            connection_string=_asynchronous_commits(self.url) if self._reuse else self.url,
+            connection_string=self._conninfo(),
             table_prefix=self.table_prefix,
             min_size=self.min_size,
             max_size=self.max_size,
@@ -186,6 +186,12 @@ class PostgresHarness(BackendHarness):
         self.backends.append(backend)
         self.backend = backend
         return backend
+
+    def _conninfo(self) -> str:
+        """The connection string of the incarnations' pools (with reused tables:
+        asynchronous commits, module docstring) — also what their idle sessions are kept
+        under."""
+        return _asynchronous_commits(self.url) if self._reuse else self.url
 
     def server_address(self) -> tuple[str, int] | None:
         parts = urlsplit(self.url)
@@ -272,7 +278,7 @@ class PostgresHarness(BackendHarness):
         """The simulated death: connections dropped now — with reused tables, the idle
         ones handed to the next incarnation instead (module docstring); the pool's tasks
         stopped too when they belong to the running loop."""
-        keep = functools.partial(_keep_idle, _asynchronous_commits(self.url)) if self._reuse else None
+        keep = functools.partial(_keep_idle, self._conninfo()) if self._reuse else None
         task = backend.abandon() if keep is None else backend.abandon(keep_idle=keep)
         if task is not None and task.get_loop() is asyncio.get_running_loop():
             await task
@@ -303,7 +309,8 @@ _IDLE_MAX = 4
 holds up to ``max_size``, 4 by default); a dying incarnation's others die with it."""
 
 _IDLE_KWARGS = frozenset({"autocommit", "connect_timeout"})
-"""The connect arguments a session handed over can honour (the kv's pool passes these)."""
+"""The connect arguments a session handed over can honour (the kv's pool passes these,
+with ``autocommit=True``; a connect asking for anything else opens a session as ever)."""
 
 
 def _keep_idle(conninfo: str, conn: Any) -> bool:
@@ -322,7 +329,7 @@ async def _reuse_idle(cls: type[Any], conninfo: str, kwargs: dict[str, Any]) -> 
     """A connection of class ``cls`` on a session a dead incarnation left idle, reset with
     ``DISCARD ALL`` (module docstring); None when no kept session still works."""
     stash = _IDLE.get(conninfo)
-    if not stash or not _IDLE_KWARGS.issuperset(kwargs):
+    if not stash or not _IDLE_KWARGS.issuperset(kwargs) or kwargs.get("autocommit") is not True:
         return None
     import psycopg
     from psycopg.pq import ConnStatus, TransactionStatus
@@ -334,9 +341,8 @@ async def _reuse_idle(cls: type[Any], conninfo: str, kwargs: dict[str, Any]) -> 
             continue
         conn = cls(pgconn)  # a new connection object: nothing of the dead one's client side
         try:
-            await conn.set_autocommit(True)
+            await conn.set_autocommit(True)  # (no round trip: the session is idle)
             await conn.execute("DISCARD ALL")
-            await conn.set_autocommit(bool(kwargs.get("autocommit", False)))
         except psycopg.Error:  # the server ended the session meanwhile
             pgconn.finish()
             continue

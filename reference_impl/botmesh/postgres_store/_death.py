@@ -33,28 +33,25 @@ def drop_connections(connections: weakref.WeakSet[Conn]) -> None:
     connections.clear()
 
 
-def hand_over_idle(pool: Pool, connections: weakref.WeakSet[Conn], keep: Callable[[Conn], bool]) -> int:
+def hand_over_idle(pool: Pool, connections: weakref.WeakSet[Conn], keep: Callable[[Conn], bool]) -> None:
     """Offer ``keep`` each connection lying idle in ``pool`` — returned to it, so no call
     of the kv is using it, and its session has no transaction open — and take each one it
     accepts out of the pool and out of ``connections``: neither the death
     (:func:`drop_connections`) nor the pool's close will end it; it belongs to the
     caller. A connection checked out of the pool (a call in flight, or a transaction
-    open) is never offered. Returns how many were taken.
+    open) is never offered.
 
     The pool's idle connections are psycopg-pool's internal queue; a psycopg-pool
     without it (another version) offers none, and every connection dies as before."""
     idle = getattr(pool, "_pool", None)
     if not isinstance(idle, collections.deque):
-        return 0
-    taken = 0
+        return
     for conn in list(idle):
         usable = (not conn.closed and conn.pgconn.status == ConnStatus.OK
                   and conn.pgconn.transaction_status == TransactionStatus.IDLE)
         if usable and keep(conn):
             idle.remove(conn)
             connections.discard(conn)
-            taken += 1
-    return taken
 
 
 async def close_pool_quietly(pool: Pool) -> None:
