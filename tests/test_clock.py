@@ -119,9 +119,22 @@ class _TaskClock(VirtualClock):
     task of its own, as it did on every clock before."""
 
 
-def _trace_heartbeat(clock: VirtualClock, yields_in_block: int, advance_ms: float) -> tuple[list[str], list[float]]:
+class _NoHeartbeat:
+    """The block without a heartbeat: what a heartbeat that takes no loop turn must look
+    like from outside."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+def _trace_heartbeat(clock: VirtualClock, yields_in_block: int, advance_ms: float, *,
+                     heartbeat: bool = True) -> tuple[list[str], list[float]]:
     """Turn by turn, what a ticking task and a heartbeat block did: the order of the
-    block's start, end and beats among the ticks."""
+    block's start, end and beats among the ticks (``heartbeat=False``: the same block
+    without its heartbeat)."""
     from botmesh.core.heartbeat import FirstBeats, Heartbeat
 
     trace: list[str] = []
@@ -139,7 +152,7 @@ def _trace_heartbeat(clock: VirtualClock, yields_in_block: int, advance_ms: floa
 
         async def block() -> None:
             with clock.busy():
-                async with Heartbeat(clock, beat, 3_000.0, FirstBeats()):
+                async with Heartbeat(clock, beat, 3_000.0, FirstBeats()) if heartbeat else _NoHeartbeat():
                     trace.append("in")
                     for _ in range(yields_in_block):
                         await asyncio.sleep(0)
@@ -154,20 +167,33 @@ def _trace_heartbeat(clock: VirtualClock, yields_in_block: int, advance_ms: floa
         await asyncio.gather(work, ticking)
 
     asyncio.run(main())
+    assert clock.next_deadline() is None, "the heartbeat left a timer behind"
     return trace, beats
 
 
 @spec("LEASE-1", "TEST-3", "TEST-4")
-@pytest.mark.parametrize(("yields_in_block", "advance_ms"), [(0, 0.0), (1, 0.0), (5, 0.0), (2, 2_500.0)])
-def test_a_heartbeat_without_its_task_keeps_the_order_of_everything(yields_in_block: int, advance_ms: float) -> None:
-    """On the virtual clock a heartbeat block waits for its first beat without a task:
-    the block still starts, beats and ends at the same turns, among the same other work,
-    as with the beating task the clock's heartbeats had (a clock it does not recognise
-    still gets one) — a block ending at once, after some turns, or after two beats."""
-    fast = _trace_heartbeat(VirtualClock(start_ms=0.0), yields_in_block, advance_ms)
-    tasked = _trace_heartbeat(_TaskClock(start_ms=0.0), yields_in_block, advance_ms)
-    assert fast == tasked
-    assert fast[1] == ([1_000.0, 2_000.0] if advance_ms else [])
+@pytest.mark.parametrize("yields_in_block", [0, 1, 5])
+def test_a_heartbeat_block_that_never_beat_ends_without_a_loop_turn(yields_in_block: int) -> None:
+    """On the virtual clock a heartbeat block waits for its first beat on a timer, not a
+    task, and a block that ends before it (nearly every one) takes no loop turn at its
+    start or its end — as on the real clock: the other work runs at the same turns as
+    beside the same block without a heartbeat, and no timer is left."""
+    traced = _trace_heartbeat(VirtualClock(start_ms=0.0), yields_in_block, 0.0)
+    bare = _trace_heartbeat(VirtualClock(start_ms=0.0), yields_in_block, 0.0, heartbeat=False)
+    assert traced == bare
+    assert traced[1] == []
+
+
+@spec("LEASE-1", "TEST-3", "TEST-4")
+def test_a_heartbeat_that_beat_ends_like_a_beating_task() -> None:
+    """A block that outlives its first beat beats every third of its lease (1 s of a 3 s
+    lease), and ends as a block whose heartbeat was a task from its start does (a clock
+    the heartbeat does not recognise still gets one): its beating task cancelled and
+    waited for, at the same turns among the other work."""
+    traced = _trace_heartbeat(VirtualClock(start_ms=0.0), 2, 2_500.0)
+    tasked = _trace_heartbeat(_TaskClock(start_ms=0.0), 2, 2_500.0)
+    assert traced == tasked
+    assert traced[1] == [1_000.0, 2_000.0]
 
 
 @spec("TEST-3")

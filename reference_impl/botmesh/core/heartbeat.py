@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-from .clock import Clock, RealClock, VirtualClock, VirtualTimer, resolve_waiter
+from .clock import Clock, RealClock, VirtualClock, VirtualTimer
 from .keylocks import acquire_waiting
 from .turns import PLAIN_LOOP_TIME, monotonic
 
@@ -75,13 +75,19 @@ class Heartbeat:
     by all the blocks of a runtime (:class:`FirstBeats`), not a task: most blocks end
     before it, and then no task was made. On the virtual clock it is a
     :meth:`VirtualClock.call_later <botmesh.core.clock.VirtualClock.call_later>` armed
-    where the beating task would have started, and the end of a block that never beat
-    takes the turns of the loop the end of that task took (:meth:`_end_unstarted`): the
-    same order of everything, without a task per block (issue 16). A beat that died of
-    a ``BaseException`` that is not an ``Exception`` (a simulated process death) is
-    raised when the block ends."""
+    when the block starts. Either way a block that ends before its first beat takes no
+    turn of the loop: its end removes the entry or cancels the timer, and the caller goes
+    on. Only a block that did beat ends by cancelling its beating task and waiting for
+    it. A beat that died of a ``BaseException`` that is not an ``Exception`` (a simulated
+    process death) is raised when the block ends.
 
-    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_first_beats", "_arming", "_timer", "_ended")
+    (Earlier, a virtual-clock block that never beat ended after the three loop turns
+    that cancelling a beating task had taken, to keep the order of the task-based
+    heartbeat before it. The real clock takes none there, and those turns were a quarter
+    of a crash cell's loop turns (issue 16): now neither clock takes them, and a run in
+    virtual time ends a block as production does.)"""
+
+    __slots__ = ("_clock", "_beat", "_lease_ms", "_tasks", "_first_beats", "_timer")
 
     def __init__(
         self, clock: Clock, beat: Callable[[float], Awaitable[bool]], lease_ms: float, first_beats: FirstBeats
@@ -91,9 +97,7 @@ class Heartbeat:
         self._lease_ms = lease_ms
         self._tasks: list[asyncio.Task[None]] = []
         self._first_beats = first_beats
-        self._arming: asyncio.Handle | None = None  # virtual clock: the arming not run yet
-        self._timer: VirtualTimer | None = None  # virtual clock: the first beat's timer
-        self._ended: asyncio.Future[None] | None = None  # the block ended before its arming ran
+        self._timer: VirtualTimer | None = None  # virtual clock: the first beat's timer, until it fires
 
     async def _beats(self, sleep_first: bool) -> None:
         clock, lease_ms = self._clock, self._lease_ms
@@ -108,15 +112,6 @@ class Heartbeat:
     def _start(self, sleep_first: bool) -> None:
         self._tasks.append(asyncio.ensure_future(self._beats(sleep_first)))
 
-    def _arm(self, clock: VirtualClock) -> None:
-        """Where the beating task's first step would run: its sleep until the first beat
-        (the task itself only when the beat is due, :meth:`_first_beat`)."""
-        self._arming = None
-        if self._ended is not None:  # the task's step would have ended it, cancelled
-            asyncio.get_running_loop().call_soon(resolve_waiter, self._ended)
-            return
-        self._timer = clock.call_later(self._lease_ms / 3.0, self._first_beat)
-
     def _first_beat(self) -> None:
         self._timer = None
         self._start(False)
@@ -126,17 +121,19 @@ class Heartbeat:
         if type(clock) is RealClock:
             self._first_beats.add(self, max(0.0, self._lease_ms / 3.0) / 1000.0)
         elif type(clock) is VirtualClock and self._lease_ms > 0:
-            self._arming = asyncio.get_running_loop().call_soon(self._arm, clock)
+            self._timer = clock.call_later(self._lease_ms / 3.0, self._first_beat)
         else:
             self._start(True)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._first_beats.remove(self)
-        if not self._tasks and (self._arming is not None or self._timer is not None):
-            await self._end_unstarted()
+        timer = self._timer
+        if timer is not None:  # virtual clock, before the first beat: no task to end
+            self._timer = None
+            timer.cancel()
             return
+        self._first_beats.remove(self)
         for task in self._tasks:
             task.cancel()
             await asyncio.wait({task})
@@ -144,27 +141,6 @@ class Heartbeat:
                 died = task.exception()
                 if not isinstance(died, Exception):  # a simulated process death
                     raise died  # type: ignore[misc]
-
-    async def _end_unstarted(self) -> None:
-        """End a block (virtual clock) whose first beat never came: return after the
-        turns ``task.cancel()`` and ``asyncio.wait`` took on a beating task sleeping
-        there (its cancelled step, then the wait's completion callback, then this task's
-        wake-up), each at the place in the loop's queue they had."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        if self._arming is not None:  # the task would not have run yet: its step ends it
-            self._ended = waiter
-        else:
-            assert self._timer is not None
-            self._timer.cancel()
-            self._timer = None
-            loop.call_soon(_chain, waiter)  # the cancelled sleep's wake-up
-        await waiter
-
-
-def _chain(waiter: asyncio.Future[None]) -> None:
-    """The cancelled task's step: its end schedules the wait's completion callback."""
-    asyncio.get_running_loop().call_soon(resolve_waiter, waiter)
 
 
 class ChatOrder:
