@@ -114,6 +114,61 @@ async def test_busy_counts_a_task_once_and_waiting_lets_time_move() -> None:
     assert clock.active == 0
 
 
+def _turns_of_settle(prepare: object = None) -> tuple[int, list[str]]:
+    """Loop turns one ``settle()`` took (after a first one, which warms up), on a loop
+    that counts its turns; and what ``prepare(loop, ran)`` scheduled that ran by then."""
+    loop = asyncio.new_event_loop()
+    turns = 0
+    run_once = loop._run_once  # type: ignore[attr-defined]
+
+    def counted() -> None:
+        nonlocal turns
+        turns += 1
+        run_once()
+
+    loop._run_once = counted  # type: ignore[attr-defined]
+    clock = VirtualClock(start_ms=0.0)
+    ran: list[str] = []
+
+    async def main() -> int:
+        nonlocal turns
+        await clock.settle()
+        if callable(prepare):
+            prepare(loop, ran)
+        turns = 0
+        await clock.settle()
+        return turns
+
+    try:
+        return loop.run_until_complete(main()), ran
+    finally:
+        loop.close()
+
+
+@spec("TEST-3")
+def test_settle_with_nothing_to_run_takes_one_turn() -> None:
+    """No busy work, nothing ready, no loop timer due: ``settle`` gives the loop its one
+    turn and returns, without a second turn to confirm (it would run nothing; issue 16)."""
+    assert _turns_of_settle() == (1, [])
+
+
+@spec("TEST-3")
+def test_settle_runs_work_that_is_not_busy_to_its_end() -> None:
+    """Callbacks that schedule more callbacks, and a loop timer due now: all of them have
+    run when ``settle`` returns, one turn each."""
+    def prepare(loop: asyncio.AbstractEventLoop, ran: list[str]) -> None:
+        def chain(n: int) -> None:
+            ran.append(f"soon{n}")
+            if n < 3:
+                loop.call_soon(chain, n + 1)
+        loop.call_soon(chain, 1)
+        loop.call_at(loop.time(), ran.append, "timer")
+
+    turns, ran = _turns_of_settle(prepare)
+    assert sorted(ran) == ["soon1", "soon2", "soon3", "timer"]
+    assert turns >= 3
+
+
 class _TaskClock(VirtualClock):
     """A virtual clock the heartbeat does not recognise: it waits for the first beat in a
     task of its own, as it did on every clock before."""

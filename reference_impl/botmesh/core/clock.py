@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sized
 from typing import Protocol, runtime_checkable
 
+from .turns import others_runnable
+
 
 @runtime_checkable
 class Clock(Protocol):
@@ -240,8 +242,10 @@ class VirtualClock:
         every ready callback.
 
         On an event loop whose ready queue can be seen (asyncio's own), the wait ends at
-        the first turn that finds it empty with no busy work, confirmed one turn later;
-        while busy work runs, the wait is on a future the end of that work resolves (no
+        the first turn that finds it empty with no busy work, confirmed one turn later
+        when a loop timer is due (that turn would run it; with none due it would run
+        nothing, and is not taken: issue 16, as :mod:`botmesh.core.turns` argues for
+        I/O readiness); while busy work runs, the wait is on a future the end of that work resolves (no
         turn of the loop is spent looking, and the work's own turns are not shared with
         this task: issue 16). Where the queue cannot be seen (another loop), every look
         lets the loop run four turns first."""
@@ -256,6 +260,8 @@ class VirtualClock:
                 await asyncio.sleep(0)
             if self._active <= 0:
                 if ready_q is None or not len(ready_q):
+                    if ready_q is not None and not others_runnable():
+                        return  # nothing ready and no timer due: a turn more would run nothing
                     await asyncio.sleep(0)
                     if self._active <= 0 and (ready_q is None or not len(ready_q)):
                         return
