@@ -27,6 +27,16 @@ cell time divided by the sum, over the cells, of the dry-run time of each cell's
 workload: how many crash-free runs one crash cell costs (a cell runs the workload up to
 the crash, then a second incarnation with the redelivery, and the checker).
 
+``--callgrind`` (needs ``valgrind``) counts instead of timing: the CPU instructions per
+crash cell, per backend — ``valgrind --tool=callgrind`` over a child of this script
+running the chosen cells once, and over one running them twice (``--passes 1`` and
+``2``, one dry run per workload, ``PYTHONHASHSEED=0``), the difference divided by the
+cells. Start-up, imports and dry runs cancel out; the figure is deterministic to a
+fraction of a percent, where cells/s moves by a third from one round to the next on a
+noisy VM. It counts this process only: a server's work (PostgreSQL, Redis) and the
+kernel's (fsync, directories) are not in it. With ``--against REF`` the children run
+REF's code (figure ``BACKEND: instructions/cell``).
+
 Part 2, overhead of ``crashable`` (``--parts overhead``). The same workload as
 ``durable_throughput.py``: a bot (``botmesh.core.bot.Bot``, real clock) whose only
 handler does ``await ctx.reply("ok")`` is fed messages one at a time, each an
@@ -79,7 +89,9 @@ import os
 import platform
 import shutil
 import sqlite3
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -617,6 +629,65 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _instructions(backend: str, passes: int, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """CPU instructions of a child of this script running ``backend``'s cells ``passes``
+    times under callgrind, and the child's cells summary (its ``--json``)."""
+    with tempfile.TemporaryDirectory(prefix="botmesh-callgrind-") as tmp:
+        out, report = os.path.join(tmp, "callgrind.out"), os.path.join(tmp, "cells.json")
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
+               "--parts", "cells", "--backends", backend, "--passes", str(passes), "--baseline-runs", "1",
+               "--profile", args.profile, "--seed", str(args.seed), "--cell-timeout", str(args.cell_timeout),
+               "--json", report]
+        if args.cells is not None:
+            cmd += ["--cells", str(args.cells)]
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONHASHSEED="0"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"callgrind child of {backend} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+        with open(report, encoding="utf-8") as f:
+            entry = json.load(f)["backends"][backend]
+        with open(out, encoding="utf-8") as f:
+            for line in f:
+                m = re.match(r"(?:summary|totals):\s+(\d+)", line)
+                if m:
+                    return int(m.group(1)), entry
+    raise RuntimeError(f"callgrind child of {backend}: no instruction total in its output")
+
+
+def callgrind_cells(args: argparse.Namespace) -> dict[str, Any]:
+    """``--callgrind``: instructions per crash cell per backend (module docstring)."""
+    out = sys.stdout
+    print("botmesh crash cells: CPU instructions per cell (callgrind)", file=out)
+    print(f"cells: profile {args.profile!r}, seed {args.seed}, "
+          f"{'all cells' if args.cells is None else f'at most {args.cells} cells'} per backend; "
+          "children of 1 and 2 passes, the difference / cells", file=out)
+    if shutil.which("valgrind") is None:
+        print("callgrind: skipped, valgrind is not on the PATH", file=out)
+        return {"backends": {b: {"skipped": "valgrind is not on the PATH"} for b in args.backends}}
+    backends: dict[str, Any] = {}
+    cleanups: list[Callable[[], Any]] = []
+    try:
+        for backend in args.backends:
+            skipped = prepare_backend(backend, cleanups)
+            if skipped:
+                backends[backend] = {"skipped": skipped}
+                continue
+            (one, first), (two, second) = _instructions(backend, 1, args), _instructions(backend, 2, args)
+            if "skipped" in first or "skipped" in second:
+                backends[backend] = {"skipped": first.get("skipped") or second.get("skipped")}
+                continue
+            cells = first["cells"]["cells"]
+            failed = first["cells"]["failed"] + second["cells"]["failed"]
+            backends[backend] = {"instructions_per_cell": (two - one) / cells, "cells": cells, "failed": failed}
+            print(f"  {backend:<9} {(two - one) / cells:>14,.0f} instructions/cell  ({cells} cells, {failed} failed)",
+                  file=out)
+    finally:
+        for cleanup in reversed(cleanups):
+            cleanup()
+    print_skipped(backends, out)
+    return {"callgrind": True, "backends": backends}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, metavar="NAME",
@@ -641,6 +712,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5,
                    help="overhead repetitions, each with a fresh bare and a fresh crashable bot (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--callgrind", action="store_true",
+                   help="cells: CPU instructions per cell (valgrind) instead of cells/s; see the module docstring")
     p.add_argument("--list-cells", action="store_true",
                    help="print the id of every cell drawn (as the plugin would draw them) and run none")
     _against.add_options(p)
@@ -667,6 +740,10 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
         if "skipped" in e:
             out[f"{backend}: cells/s"] = f"skipped: {e['skipped'][:60]}"
             continue
+        if "instructions_per_cell" in e:
+            out[f"{backend}: instructions/cell"] = e["instructions_per_cell"]
+            out[f"{backend}: cells failed"] = e["failed"]
+            continue
         c, o = e.get("cells"), e.get("overhead")
         if c:
             out[f"{backend}: cells/s"] = c["cells_per_s"]
@@ -682,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.against:
         return _against.compare(__file__, args, argv)
-    results = asyncio.run(main_async(args))
+    results = callgrind_cells(args) if args.callgrind else asyncio.run(main_async(args))
     _against.emit(args, figures(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
