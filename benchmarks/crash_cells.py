@@ -87,9 +87,9 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import sqlite3
-import re
 import statistics
 import subprocess
 import sys

@@ -243,12 +243,13 @@ class VirtualClock:
 
         On an event loop whose ready queue can be seen (asyncio's own), the wait ends at
         the first turn that finds it empty with no busy work, confirmed one turn later
-        when a loop timer is due (that turn would run it; with none due it would run
-        nothing, and is not taken: issue 16, as :mod:`botmesh.core.turns` argues for
-        I/O readiness); while busy work runs, the wait is on a future the end of that work resolves (no
-        turn of the loop is spent looking, and the work's own turns are not shared with
-        this task: issue 16). Where the queue cannot be seen (another loop), every look
-        lets the loop run four turns first."""
+        when a loop timer is due (that turn runs it; with none due the turn would run
+        nothing and is not taken, issue 16 — an I/O readiness arriving just then is seen
+        at the next look, as :mod:`botmesh.core.turns` argues). While busy work runs,
+        the wait is on a future the end of that work resolves (no turn of the loop is
+        spent looking, and the work's own turns are not shared with this task: issue
+        16). Where the queue cannot be seen (another loop), every look lets the loop run
+        four turns first."""
         loop = asyncio.get_running_loop()
         ready_q: Sized | None = getattr(loop, "_ready", None)
         limit: float | None = None
