@@ -332,11 +332,12 @@ async def _reuse_idle(cls: type[Any], conninfo: str, kwargs: dict[str, Any]) -> 
     if not stash or not _IDLE_KWARGS.issuperset(kwargs) or kwargs.get("autocommit") is not True:
         return None
     import psycopg
-    from psycopg.pq import ConnStatus, TransactionStatus
+
+    from botmesh.postgres_store._death import session_idle
 
     while stash:
         pgconn = stash.pop()
-        if pgconn.status != ConnStatus.OK or pgconn.transaction_status != TransactionStatus.IDLE:
+        if not session_idle(pgconn):
             pgconn.finish()
             continue
         conn = cls(pgconn)  # a new connection object: nothing of the dead one's client side

@@ -33,6 +33,12 @@ def drop_connections(connections: weakref.WeakSet[Conn]) -> None:
     connections.clear()
 
 
+def session_idle(pgconn: Any) -> bool:
+    """Whether the libpq connection ``pgconn`` is connected and its session has no
+    transaction open: a session another incarnation may take over."""
+    return bool(pgconn.status == ConnStatus.OK and pgconn.transaction_status == TransactionStatus.IDLE)
+
+
 def hand_over_idle(pool: Pool, connections: weakref.WeakSet[Conn], keep: Callable[[Conn], bool]) -> None:
     """Offer ``keep`` each connection lying idle in ``pool`` — returned to it, so no call
     of the kv is using it, and its session has no transaction open — and take each one it
@@ -47,9 +53,7 @@ def hand_over_idle(pool: Pool, connections: weakref.WeakSet[Conn], keep: Callabl
     if not isinstance(idle, collections.deque):
         return
     for conn in list(idle):
-        usable = (not conn.closed and conn.pgconn.status == ConnStatus.OK
-                  and conn.pgconn.transaction_status == TransactionStatus.IDLE)
-        if usable and keep(conn):
+        if not conn.closed and session_idle(conn.pgconn) and keep(conn):
             idle.remove(conn)
             connections.discard(conn)
 
