@@ -87,11 +87,9 @@ import json
 import logging
 import os
 import platform
-import re
 import shutil
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -107,6 +105,7 @@ from botmesh_testkit.matrix import Cell, Oracle, draw_cells, oracle, run_cell
 from botmesh_testkit.matrix.profiles import load_profile
 
 import _against
+import _callgrind
 
 try:  # where the matrix itself makes a cell's directory (RAM when there is /dev/shm; issue 16)
     from botmesh_testkit.matrix.scratch import scratch_dir as cell_dir
@@ -632,26 +631,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def _instructions(backend: str, passes: int, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """CPU instructions of a child of this script running ``backend``'s cells ``passes``
     times under callgrind, and the child's cells summary (its ``--json``)."""
-    with tempfile.TemporaryDirectory(prefix="botmesh-callgrind-") as tmp:
-        out, report = os.path.join(tmp, "callgrind.out"), os.path.join(tmp, "cells.json")
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
-               "--parts", "cells", "--backends", backend, "--passes", str(passes), "--baseline-runs", "1",
-               "--profile", args.profile, "--seed", str(args.seed), "--cell-timeout", str(args.cell_timeout),
-               "--json", report]
+    with tempfile.TemporaryDirectory(prefix="botmesh-callgrind-cells-") as tmp:
+        report = os.path.join(tmp, "cells.json")
+        argv = [sys.executable, os.path.abspath(__file__), "--parts", "cells", "--backends", backend,
+                "--passes", str(passes), "--baseline-runs", "1", "--profile", args.profile, "--seed", str(args.seed),
+                "--cell-timeout", str(args.cell_timeout), "--json", report]
         if args.cells is not None:
-            cmd += ["--cells", str(args.cells)]
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONHASHSEED="0"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"callgrind child of {backend} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+            argv += ["--cells", str(args.cells)]
+        total = _callgrind.instructions(argv, dict(os.environ, PYTHONHASHSEED="0"))
         with open(report, encoding="utf-8") as f:
-            entry = json.load(f)["backends"][backend]
-        with open(out, encoding="utf-8") as f:
-            for line in f:
-                m = re.match(r"(?:summary|totals):\s+(\d+)", line)
-                if m:
-                    return int(m.group(1)), entry
-    raise RuntimeError(f"callgrind child of {backend}: no instruction total in its output")
+            return total, json.load(f)["backends"][backend]
 
 
 def callgrind_cells(args: argparse.Namespace) -> dict[str, Any]:

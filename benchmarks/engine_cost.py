@@ -44,16 +44,15 @@ import json
 import os
 import platform
 import pstats
-import re
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import _against
+import _callgrind
 
 WARMUP = 10
 ROWS = ("none", "memory")
@@ -129,19 +128,8 @@ class Version:
         return result
 
     def instructions(self, row: str, messages: int) -> int:
-        with tempfile.TemporaryDirectory(prefix="botmesh-callgrind-") as tmp:
-            out = os.path.join(tmp, "callgrind.out")
-            subprocess.run(
-                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", self.python, self.script,
-                 "--child", row, "--messages", str(messages), "--what", "wall"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env(),
-            )
-            with open(out, encoding="utf-8") as f:
-                for line in f:
-                    m = re.match(r"(?:summary|totals):\s+(\d+)", line)
-                    if m:
-                        return int(m.group(1))
-        raise RuntimeError("no instruction total in the callgrind output")
+        return _callgrind.instructions(
+            [self.python, self.script, "--child", row, "--messages", str(messages), "--what", "wall"], self.env())
 
 
 def _ratios(results: dict[str, dict[str, Any]], versions: list[Version], key: str) -> None:
