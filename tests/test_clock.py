@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -114,7 +115,9 @@ async def test_busy_counts_a_task_once_and_waiting_lets_time_move() -> None:
     assert clock.active == 0
 
 
-def _turns_of_settle(prepare: object = None) -> tuple[int, list[str]]:
+def _turns_of_settle(
+    prepare: Callable[[asyncio.AbstractEventLoop, list[str]], None] | None = None,
+) -> tuple[int, list[str]]:
     """Loop turns one ``settle()`` took (after a first one, which warms up), on a loop
     that counts its turns; and what ``prepare(loop, ran)`` scheduled that ran by then."""
     loop = asyncio.new_event_loop()
@@ -133,7 +136,7 @@ def _turns_of_settle(prepare: object = None) -> tuple[int, list[str]]:
     async def main() -> int:
         nonlocal turns
         await clock.settle()
-        if callable(prepare):
+        if prepare is not None:
             prepare(loop, ran)
         turns = 0
         await clock.settle()
