@@ -403,6 +403,67 @@ async def test_the_matrix_harness_connects_lean_and_the_others_as_redis_py_does(
         assert (await _wire(redis_url, "", harness=plain))[0] >= 3
 
 
+async def _server_lists(client: AsyncRedis, connection_id: int) -> bool:
+    """Whether the server still lists the client connection ``connection_id``."""
+    listed = await client.execute_command("CLIENT", "LIST", "ID", str(connection_id))
+    return bool(listed)
+
+
+@spec("TEST-3", "BACK-3")
+async def test_matrix_incarnations_keep_idle_connections_and_drop_the_ones_in_flight(redis_url: str) -> None:
+    """In the crash matrix a Redis harness's incarnations share one client: a restart
+    hands the next incarnation the connections that were idle in the pool (the same
+    server session), and drops every connection the dead incarnation had checked out —
+    here one blocked in ``BLPOP``: its caller fails, the server sees the session end, and
+    the next incarnation never uses it. A harness the matrix did not ask gives each
+    incarnation a client of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        harness = RedisHarness(os.path.join(tmp, "matrix"), url=redis_url)
+        harness.reuse_storage()
+        watcher = AsyncRedis.from_url(redis_url)
+        try:
+            first, _ = await harness.open()
+            await first.start()
+            await first.kv.put("s", "inbox", "a", {"n": 1}, expected_version=0)
+            idle_id = await first.kv.client.client_id()  # one connection, idle in the pool again
+            second, _ = await harness.reopen()
+            await second.start()
+            assert await second.kv.client.client_id() == idle_id  # the idle session, handed over
+            assert await second.kv.get("s", "inbox", "a") == Versioned({"n": 1}, 1)
+
+            blocked = asyncio.ensure_future(second.kv.client.blpop([f"{harness.prefix}:blocked"], timeout=60))
+            waiting: list[Any] = []
+            for _ in range(200_000):  # until the server lists the BLPOP waiting (nothing else blocks)
+                waiting = [c for c in await watcher.client_list() if c.get("cmd") == "blpop"]
+                if waiting or blocked.done():
+                    break
+            assert len(waiting) == 1 and not blocked.done(), (waiting, blocked)
+            blocked_id = int(waiting[0]["id"])  # the session handed over, now in flight
+            third, _ = await harness.reopen()
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await asyncio.wait_for(blocked, 30)  # dropped at the restart: its reply reaches nobody
+            for _ in range(200_000):  # until the server has ended the dropped session
+                if not await _server_lists(watcher, blocked_id):
+                    break
+            assert not await _server_lists(watcher, blocked_id)
+            await third.start()
+            assert await third.kv.get("s", "inbox", "a") == Versioned({"n": 1}, 1)
+            third_id = await third.kv.client.client_id()
+            assert third_id != blocked_id and await _server_lists(watcher, third_id)
+            await harness.close()
+            for _ in range(200_000):  # until the server has ended the harness's last session
+                if not await _server_lists(watcher, third_id):
+                    break
+            assert not await _server_lists(watcher, third_id)  # closed with the harness
+        finally:
+            await watcher.aclose()
+        plain = RedisHarness(os.path.join(tmp, "plain"), url=redis_url)
+        one, _ = await plain.open()
+        two, _ = await plain.reopen()
+        assert one.kv.owns_client and two.kv.owns_client and one.kv.client is None and two.kv.client is not None
+        await plain.close()
+
+
 @spec("GUAR-1", "BACK-3")
 async def test_durability_settings_are_what_the_server_says(redis_url: str, sync_client: redis.Redis) -> None:
     """``CONFIG GET appendonly`` / ``appendfsync`` of the server the kv writes to, whatever

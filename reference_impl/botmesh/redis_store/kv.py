@@ -139,6 +139,7 @@ __all__ = [
     "RedisClient",
     "RedisKv",
     "check_prefix",
+    "client_from_url",
     "client_retries",
     "key_pattern",
     "scope_keys",
@@ -282,6 +283,15 @@ def _client_from_url(url: Any, extra: Mapping[str, Any] | None = None) -> Redis:
     pool = client.connection_pool  # (no connection made yet: each will be of this class)
     pool.connection_class = direct_send(pool.connection_class)
     return client
+
+
+def client_from_url(url: str, client_options: Mapping[str, Any] | None = None) -> Redis:
+    """A ``redis.asyncio.Redis`` built as ``RedisKv(url=url, client_options=...)`` builds
+    its own (no retries, the kv's socket timeouts, commands sent without a task each),
+    to be given to several kvs as ``client=`` — e.g. the testkit's crash-matrix harness,
+    whose incarnations share one (:mod:`botmesh_testkit.backends.redis`). No connection
+    is made yet. A ``ConfigError`` for a bad URL or option, as the kv raises it."""
+    return _client_from_url(url, check_client_options(client_options))
 
 
 def _cluster_from_spec(cluster: Any, extra: Mapping[str, Any] | None = None) -> RedisCluster:
