@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from botmesh.core import Bot, InboundEvent, MemoryDurability, ProviderError, VirtualClock
 from botmesh.core.backend import DurabilityBackend
+from botmesh.core.memory import MemoryKv
 from botmesh.core.records import InboxRecord, OutboxRecord
+from botmesh.core.spi import Versioned
 from botmesh.core.store import MemoryStore
 from botmesh.core.testing import MockProvider, SimulatedCrash
 
@@ -112,6 +114,49 @@ async def test_a_purge_backlog_is_worked_off_at_the_next_passes_not_the_next_per
     await clock.advance(5_000)  # a few passes later, not another period
     assert await journal_sizes(bot) == (0, 0), first
     await bot.stop()
+
+
+class _ReplayBeforeRead(MemoryKv):
+    """A memory kv on which another process replays inbound record ``id`` just before
+    the purge reads it: between the purge's read of the ``expires`` index and its read
+    of the record — the window a shared backend leaves open."""
+
+    def __init__(self, id: str) -> None:
+        super().__init__()
+        self.id = id
+        self.backend: MemoryDurability | None = None
+        self.replayed_at: float | None = None
+
+    async def get(self, scope: str, space: str, key: str) -> Versioned | None:
+        if key == self.id and self.replayed_at is not None and self.backend is not None:
+            at, self.replayed_at = self.replayed_at, None
+            assert await self.backend.inbox_replay(scope, key, now=at) is not None
+        return await super().get(scope, space, key)
+
+
+@spec("OPS-3", "OPS-2")
+async def test_a_record_replayed_after_the_index_read_is_not_purged() -> None:
+    """OPS-3 purges ``done`` records; a ``done`` record that another process replayed
+    (``replay_inbound``: ``pending`` again, no expiry) after the purge read the
+    ``expires`` index, but before it read the record, is no longer expired: the purge
+    leaves it (it deleted it before the fix, and the replay was lost). The other expired
+    record is purged as ever."""
+    kv = _ReplayBeforeRead("m1")
+    backend = MemoryDurability(kv)
+    kv.backend = backend
+    scope, now = "s", 1_000_000.0
+    for id in ("m1", "m2"):
+        rec = InboxRecord(id=id, chat_id="c", event={"id": id, "chat_id": "c"}, state="leased", attempts=1, token=1,
+                          owner="i1", incarnation="x", lease_until=now + 60_000, claimed_at=now, created_at=now,
+                          updated_at=now)
+        await backend.inbox_journal(scope, rec)
+        assert await backend.inbox_complete(scope, id, token=1, now=now, expires_at=now + 1)
+    kv.replayed_at = now + 5
+    assert await backend.inbox_purge(scope, now=now + 10, limit=100) == 1
+    assert kv.replayed_at is None  # the replay happened inside the purge
+    left = await backend.inbox_list(scope)
+    assert [(r.id, r.state) for r in left] == [("m1", "pending")]
+    assert await backend.inbox_due(scope, upto=now + 10, limit=10) == ["m1"]  # the sweep will run it
 
 
 # -- replays never block due sends --------------------------------------------------------------

@@ -274,11 +274,22 @@ class KvDurability(DurabilityBackend):
         raise DurabilityError(f"{space}/{key}: created and deleted concurrently twice")
 
     async def _purge(self, scope: str, space: str, now: float, limit: int) -> int:
+        """Delete the records the ``expires`` index lists up to ``now``. Each is read
+        first and deleted at the version read, and only when that version still expires
+        by ``now``: the index was read before, and a record changed in between — a
+        ``done`` record replayed (``replay_inbound``: ``pending``, no expiry) by another
+        process or task — is no longer the record the index listed; deleting it would
+        lose the replay (OPS-3 purges ``done``/``sent`` records only)."""
         purged = 0
         for _, key in await self.kv.range(scope, space, "expires", upto=now, limit=limit):
             current = await self.kv.get(scope, space, key)
             if current is None:
                 continue
+            value = current.value
+            expires = (_inbox_indexes(InboxRecord.from_json(value)) if space == INBOX
+                       else _outbox_indexes(OutboxRecord.from_json(value)))[1]
+            if expires is None or expires > now:
+                continue  # changed since the index was read: not expired any more
             self._forget(scope, space, key)
             try:
                 await self.kv.delete(scope, space, key, expected_version=current.version)
