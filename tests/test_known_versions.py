@@ -1,5 +1,6 @@
 """``KvDurability``'s known versions (issue 16): a transition of a record this instance
-wrote last itself, while it holds a lease, is written without reading it first — and
+wrote last itself, while it holds a lease, or has just read, is written without reading
+it (again) first — and
 still never loses another writer's update, never declines on what it only remembered,
 and never stores what a caller changed in its own objects afterwards.
 
@@ -707,5 +708,114 @@ def test_a_write_whose_answer_was_lost_is_read_back_by_key(make: Make) -> None:
         assert d._known == {}, "a write of unknown outcome left a known version"
         still = await lost.get(SCOPE, "outbox", "in-1:1")
         assert still is not None and still.version == 1 and still.value["state"] == "sending", still
+
+    run(body())
+
+
+def dead_owner_send(key: str = "in-1:1") -> OutboxRecord:
+    """A send another process left ``sending`` when it died: its lease long expired."""
+    rec = sending_outbox(key, owner="b")
+    rec.lease_until = NOW - 1
+    return rec
+
+
+@spec("OUT-14", "LEASE-4", "BACK-7")
+def test_a_send_just_read_is_claimed_without_reading_it_again(make: Make) -> None:
+    """The sweep reads each due send (``outbox_get``), then claims it: the claim writes
+    from the version that read gave, with no second read (issue 16: one round trip less
+    per due send on a server). The same for an inbound record a journal write found
+    already there (a redelivery) and then claims. Every write is still a CAS."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        other, d = make(kv), make(kv)
+        await other.outbox_journal(SCOPE, dead_owner_send())
+        rec = await d.outbox_get(SCOPE, "in-1:1")
+        assert rec is not None and kv.gets == 1
+        claim = await d.outbox_claim(SCOPE, "in-1:1", owner="a", incarnation="inc-a", now=NOW, lease_ms=LEASE,
+                                     recover=False)
+        assert claim is not None and claim[1] == "sending" and claim[0].owner == "a" and claim[0].token == 2
+        assert kv.gets == 1, f"the claim read the send again ({kv.gets} reads)"
+        found = await kv.get(SCOPE, "outbox", "in-1:1")
+        assert found is not None and (found.version, found.value["owner"]) == (2, "a")
+
+        stored = leased_inbox(owner="b")
+        stored.lease_until = NOW - 1
+        await other.inbox_journal(SCOPE, stored)
+        gets = kv.gets
+        again, created = await d.inbox_journal(SCOPE, leased_inbox(owner="a"))
+        assert not created and again.owner == "b" and kv.gets == gets + 1  # the conflict's read
+        taken = await d.inbox_claim(SCOPE, "in-1", owner="a", incarnation="inc-a", now=NOW, lease_ms=LEASE,
+                                    recover=False)
+        assert taken is not None and (taken.owner, taken.token) == ("a", 2)
+        assert kv.gets == gets + 1, "the claim read the record the journal write had just found"
+
+    run(body())
+
+
+@spec("OUT-14", "LEASE-2", "BACK-7")
+def test_a_read_overtaken_by_another_writer_is_claimed_from_a_fresh_read(make: Make) -> None:
+    """Between the read and the claim another process claimed the send itself: the
+    claim from the version read fails its CAS, is decided again from a fresh read, and
+    declines — the other owner's lease stands (one winner). A decline on what was read
+    is asked of the store too: the send the read showed under a live lease was marked
+    ``failed`` meanwhile, and the retry sees it."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        other, d = make(kv), make(kv)
+        await other.outbox_journal(SCOPE, dead_owner_send())
+        assert await d.outbox_get(SCOPE, "in-1:1") is not None
+        won = await other.outbox_claim(SCOPE, "in-1:1", owner="b2", incarnation="inc-b2", now=NOW, lease_ms=LEASE,
+                                       recover=False)
+        assert won is not None
+        gets = kv.gets
+        assert await d.outbox_claim(SCOPE, "in-1:1", owner="a", incarnation="inc-a", now=NOW + 1, lease_ms=LEASE,
+                                    recover=False) is None
+        assert kv.gets == gets + 1, "the overtaken claim must be decided on one fresh read"
+        found = await kv.get(SCOPE, "outbox", "in-1:1")
+        assert found is not None and (found.version, found.value["owner"], found.value["token"]) == (2, "b2", 2)
+
+        live = sending_outbox("in-2:1", owner="b")
+        await other.outbox_journal(SCOPE, live)
+        assert await d.outbox_get(SCOPE, "in-2:1") is not None  # sending, under a live lease
+        await raw_change(kv, "outbox", "in-2:1", state="failed", lease_until=None, next_at=NOW + 10)
+        assert await d.outbox_retry(SCOPE, "in-2:1", now=NOW + 20)
+        retried = await kv.get(SCOPE, "outbox", "in-2:1")
+        assert retried is not None and (retried.version, retried.value["state"]) == (3, "pending")
+
+    run(body())
+
+
+@spec("BACK-7")
+def test_what_a_caller_changes_in_a_record_it_read_is_never_written(make: Make) -> None:
+    """The record ``outbox_get`` / ``inbox_get`` returned is the caller's: changing it
+    (nested dicts too) changes nothing the next transition writes from that read."""
+
+    async def body() -> None:
+        kv = CountingKv()
+        other, d = make(kv), make(kv)
+        await other.outbox_journal(SCOPE, dead_owner_send())
+        rec = await d.outbox_get(SCOPE, "in-1:1")
+        assert rec is not None
+        rec.content["text"] = "changed by the caller"
+        rec.content["extra"]["n"].append(2)
+        rec.chat_id = "other"
+        assert await d.outbox_claim(SCOPE, "in-1:1", owner="a", incarnation="inc-a", now=NOW, lease_ms=LEASE,
+                                    recover=False) is not None
+        found = await kv.get(SCOPE, "outbox", "in-1:1")
+        assert found is not None
+        assert found.value["content"] == {"text": "ok", "extra": {"n": [1]}} and found.value["chat_id"] == "c"
+
+        stored = leased_inbox(owner="b")
+        stored.lease_until = NOW - 1
+        await other.inbox_journal(SCOPE, stored)
+        got = await d.inbox_get(SCOPE, "in-1")
+        assert got is not None
+        got.event["data"]["n"].append(2)
+        assert await d.inbox_claim(SCOPE, "in-1", owner="a", incarnation="inc-a", now=NOW, lease_ms=LEASE,
+                                   recover=False) is not None
+        claimed = await kv.get(SCOPE, "inbox", "in-1")
+        assert claimed is not None and claimed.value["event"]["data"] == {"n": [1]}, claimed.value
 
     run(body())

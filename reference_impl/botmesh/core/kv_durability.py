@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from .backend import DurabilityBackend
 from .errors import BackendUnavailableError, DurabilityError, KvContractError, VersionConflict
 from .records import InboxRecord, OutboxRecord
-from .spi import DurableKv, check_json_object
+from .spi import DurableKv, Versioned, check_json_object
 from .spi_types import IndexName
 
 RecordT = TypeVar("RecordT", InboxRecord, OutboxRecord)
@@ -135,6 +135,24 @@ class KvDurability(DurabilityBackend):
             del self._known[next(iter(self._known))]
         self._known[k] = (version, value if self._put_owned is not None else type(record).json_copy(value))
 
+    def _seen(self, scope: str, space: str, key: str, found: Versioned,
+              cls: type[InboxRecord] | type[OutboxRecord]) -> None:
+        """Keep ``found`` — what a read just gave for ``key``, whatever its state — as
+        the known version of ``key``, as a copy of its own
+        (:meth:`~botmesh.core.records._Record.json_copy`: the caller gets records decoded
+        from ``found.value`` and may change them). The transition that usually follows
+        such a read — the sweep's claim of a due send it has just read, the claim or
+        the answer of a record a journal write found already there — then writes
+        without reading it again (issue 16: one round trip less on a server). It is a
+        hint like every known version (:meth:`_transition`): a write from it that
+        another writer overtook fails its CAS and is done again from a fresh read, and a
+        decline on it is asked of the store again."""
+        k = (scope, space, key)
+        self._known.pop(k, None)  # re-inserted last: the oldest entry is evicted first
+        if len(self._known) >= _MAX_KNOWN:
+            del self._known[next(iter(self._known))]
+        self._known[k] = (found.version, cls.json_copy(found.value))
+
     def _forget(self, scope: str, space: str, key: str) -> None:
         self._known.pop((scope, space, key), None)
 
@@ -160,8 +178,8 @@ class KvDurability(DurabilityBackend):
         """Apply ``change`` to the current record with CAS; None when absent or when
         ``change`` declines (returns None).
 
-        The current record is the one this instance wrote last when it still knows it
-        (:meth:`_know`), else it is read. A write from a known version that another writer
+        The current record is the one this instance wrote or read last when it still
+        knows it (:meth:`_know`, :meth:`_seen`), else it is read. A write from a known version that another writer
         overtook fails its CAS (``VersionConflict``) and the round is done again from a
         fresh read; a decline is only ever answered from a fresh read. ``change`` must not
         keep the record it is given nor change its containers, only return a changed copy
@@ -262,12 +280,12 @@ class KvDurability(DurabilityBackend):
                 if not await self._landed(scope, space, key, value, 0):
                     raise
             except VersionConflict as conflict:
-                self._forget(scope, space, key)
-                if conflict.current is not None:  # the record found by the failed create itself: no read
-                    return type(record).from_json(conflict.current.value), False
-                found = await self.kv.get(scope, space, key)
+                # the record found by the failed create itself when the kv reports it: no read
+                found = conflict.current if conflict.current is not None else await self.kv.get(scope, space, key)
                 if found is not None:
+                    self._seen(scope, space, key, found, type(record))
                     return type(record).from_json(found.value), False
+                self._forget(scope, space, key)
                 continue
             self._know(scope, space, key, 1, record, value)
             return record, True
@@ -372,7 +390,10 @@ class KvDurability(DurabilityBackend):
 
     async def inbox_get(self, scope: str, id: str) -> InboxRecord | None:
         found = await self.kv.get(scope, INBOX, id)
-        return None if found is None else InboxRecord.from_json(found.value)
+        if found is None:
+            return None
+        self._seen(scope, INBOX, id, found, InboxRecord)
+        return InboxRecord.from_json(found.value)
 
     async def inbox_list(self, scope: str, *, state: str | None = None, limit: int = 1000) -> list[InboxRecord]:
         return await self._scan_records(scope, INBOX, InboxRecord, state, limit)
@@ -488,7 +509,10 @@ class KvDurability(DurabilityBackend):
 
     async def outbox_get(self, scope: str, key: str) -> OutboxRecord | None:
         found = await self.kv.get(scope, OUTBOX, key)
-        return None if found is None else OutboxRecord.from_json(found.value)
+        if found is None:
+            return None
+        self._seen(scope, OUTBOX, key, found, OutboxRecord)
+        return OutboxRecord.from_json(found.value)
 
     async def outbox_list(self, scope: str, *, state: str | None = None, limit: int = 1000) -> list[OutboxRecord]:
         return await self._scan_records(scope, OUTBOX, OutboxRecord, state, limit)
