@@ -179,9 +179,9 @@ class KvDurability(DurabilityBackend):
         ``change`` declines (returns None).
 
         The current record is the one this instance wrote or read last when it still
-        knows it (:meth:`_know`, :meth:`_seen`), else it is read. A write from a known version that another writer
-        overtook fails its CAS (``VersionConflict``) and the round is done again from a
-        fresh read; a decline is only ever answered from a fresh read. ``change`` must not
+        knows it (:meth:`_know`, :meth:`_seen`), else it is read. A write from a known
+        version that another writer overtook fails its CAS (``VersionConflict``) and the
+        round is done again from a fresh read; a decline is only ever answered from a fresh read. ``change`` must not
         keep the record it is given nor change its containers, only return a changed copy
         (``copy``). With ``_put_owned`` the
         record returned may share containers with what the kv keeps: a caller that hands
