@@ -43,8 +43,9 @@ connections that were idle in the pool (no command in flight, nothing unread) se
 the next incarnation. RESP2 connections carry no state the kv sets (no ``SELECT`` after
 the URL's, no ``MULTI``/``WATCH``, no subscription), so an idle one is as good as a new
 one. Redis cells: 118-128 vs 105-106 per second (three runs each), 0.90 of the client's
-CPU instructions per cell (``benchmarks/crash_cells.py --callgrind``). A harness the matrix did not ask gives each incarnation a client of its own,
-closed at its death, as before.
+CPU instructions per cell (``benchmarks/crash_cells.py --callgrind``). A harness the
+matrix did not ask gives each incarnation a client of its own, closed at its death, as
+before.
 
 Crash survival here is survival of the *client* process; the server keeps running. A
 server crash needs AOF with ``appendfsync always`` (see :mod:`botmesh.redis_store.kv`).

@@ -181,11 +181,11 @@ class KvDurability(DurabilityBackend):
         The current record is the one this instance wrote or read last when it still
         knows it (:meth:`_know`, :meth:`_seen`), else it is read. A write from a known
         version that another writer overtook fails its CAS (``VersionConflict``) and the
-        round is done again from a fresh read; a decline is only ever answered from a fresh read. ``change`` must not
-        keep the record it is given nor change its containers, only return a changed copy
-        (``copy``). With ``_put_owned`` the
-        record returned may share containers with what the kv keeps: a caller that hands
-        it out gives :meth:`_handed_out` of it."""
+        round is done again from a fresh read; a decline is only ever answered from a
+        fresh read. ``change`` must not keep the record it is given nor change its
+        containers, only return a changed copy (``copy``). With ``_put_owned`` the record
+        returned may share containers with what the kv keeps: a caller that hands it out
+        gives :meth:`_handed_out` of it."""
         # (self._indexes, without its call per transition)
         indexes: Callable[[Any], tuple[float | None, float | None]] = (
             _inbox_indexes if cls is InboxRecord else _outbox_indexes)
