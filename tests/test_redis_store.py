@@ -409,6 +409,15 @@ async def _server_lists(client: AsyncRedis, connection_id: int) -> bool:
     return bool(listed)
 
 
+async def _server_ended(client: AsyncRedis, connection_id: int) -> bool:
+    """Whether the server, asked until it does (a closed socket reaches it a little
+    later), no longer lists the client connection ``connection_id``."""
+    for _ in range(200_000):
+        if not await _server_lists(client, connection_id):
+            return True
+    return False
+
+
 @spec("TEST-3", "BACK-3")
 async def test_matrix_incarnations_keep_idle_connections_and_drop_the_ones_in_flight(redis_url: str) -> None:
     """In the crash matrix a Redis harness's incarnations share one client: a restart
@@ -442,19 +451,13 @@ async def test_matrix_incarnations_keep_idle_connections_and_drop_the_ones_in_fl
             third, _ = await harness.reopen()
             with pytest.raises(redis.exceptions.ConnectionError):
                 await asyncio.wait_for(blocked, 30)  # dropped at the restart: its reply reaches nobody
-            for _ in range(200_000):  # until the server has ended the dropped session
-                if not await _server_lists(watcher, blocked_id):
-                    break
-            assert not await _server_lists(watcher, blocked_id)
+            assert await _server_ended(watcher, blocked_id)
             await third.start()
             assert await third.kv.get("s", "inbox", "a") == Versioned({"n": 1}, 1)
             third_id = await third.kv.client.client_id()
             assert third_id != blocked_id and await _server_lists(watcher, third_id)
             await harness.close()
-            for _ in range(200_000):  # until the server has ended the harness's last session
-                if not await _server_lists(watcher, third_id):
-                    break
-            assert not await _server_lists(watcher, third_id)  # closed with the harness
+            assert await _server_ended(watcher, third_id)  # closed with the harness
         finally:
             await watcher.aclose()
         plain = RedisHarness(os.path.join(tmp, "plain"), url=redis_url)

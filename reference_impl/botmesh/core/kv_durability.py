@@ -147,6 +147,8 @@ class KvDurability(DurabilityBackend):
         hint like every known version (:meth:`_transition`): a write from it that
         another writer overtook fails its CAS and is done again from a fresh read, and a
         decline on it is asked of the store again."""
+        # (the insertion of _know, written out in both: _know runs at every write, and a
+        # shared helper measured 1.7 % more instructions per message in engine_cost.py)
         k = (scope, space, key)
         self._known.pop(k, None)  # re-inserted last: the oldest entry is evicted first
         if len(self._known) >= _MAX_KNOWN:
@@ -303,9 +305,7 @@ class KvDurability(DurabilityBackend):
             current = await self.kv.get(scope, space, key)
             if current is None:
                 continue
-            value = current.value
-            expires = (_inbox_indexes(InboxRecord.from_json(value)) if space == INBOX
-                       else _outbox_indexes(OutboxRecord.from_json(value)))[1]
+            expires = self._indexes((InboxRecord if space == INBOX else OutboxRecord).from_json(current.value))[1]
             if expires is None or expires > now:
                 continue  # changed since the index was read: not expired any more
             self._forget(scope, space, key)
