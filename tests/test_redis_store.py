@@ -467,6 +467,115 @@ async def test_matrix_incarnations_keep_idle_connections_and_drop_the_ones_in_fl
         await plain.close()
 
 
+def _count_execute_command(client: AsyncRedis) -> Counter[str]:
+    """Count the commands ``client`` sends through redis-py's ``execute_command`` (the
+    instance attribute shadows the method; the kv's auto-pipeline looks it up per call)."""
+    seen: Counter[str] = Counter()
+    plain = client.execute_command
+
+    async def counted(*args: Any, **options: Any) -> Any:
+        seen[str(args[0]).upper()] += 1
+        return await plain(*args, **options)
+
+    client.execute_command = counted  # type: ignore[method-assign]
+    return seen
+
+
+async def _kv_calls(kv: RedisKv) -> None:
+    """One call of each kind, with their answers checked."""
+    assert await kv.put("s", "inbox", "b", {"n": 2}, expected_version=0, due=5.0, expires=7.0) == 1
+    assert await kv.get("s", "inbox", "b") == Versioned({"n": 2}, 1)
+    assert await kv.range("s", "inbox", "due", upto=10.0, limit=10) == [(5.0, "b")]
+    assert await kv.ranges("s", [("inbox", "expires"), ("outbox", "due")], upto=10.0, limit=10) == [[(7.0, "b")], []]
+    assert [k for k, _ in await kv.scan("s", "inbox")] == ["a", "b"]
+    await kv.delete("s", "inbox", "b", expected_version=1)
+    assert await kv.get("s", "inbox", "b") is None
+
+
+@spec("BACK-3", "BACK-7")
+async def test_a_lone_call_of_a_kv_built_from_a_url_skips_execute_command(redis_url: str, prefix: str) -> None:
+    """Issue 16: on a client the kv built from its URL, a call made while nothing else
+    is in flight is sent on an idle pooled connection by hand, without redis-py's
+    ``execute_command`` (its retry wrapper, locks and metrics hooks cost ~30 % of the
+    client's CPU per command) — get, put, delete and the scripts of range, ranges and
+    scan alike, with the same answers. On a client the caller built, which the kv does
+    not know the pool or connections of, every call takes ``execute_command``."""
+    kv = RedisKv(url=redis_url, prefix=f"{prefix}:own")
+    await kv.open()
+    try:
+        assert await kv.put("s", "inbox", "a", {"n": 1}, expected_version=0) == 1  # a first connection, now idle
+        seen = _count_execute_command(kv.client)
+        await _kv_calls(kv)
+        assert not seen, seen
+    finally:
+        await kv.close()
+    given = AsyncRedis.from_url(redis_url)
+    try:
+        other = RedisKv(client=given, prefix=f"{prefix}:given")
+        await other.open()
+        await other.put("s", "inbox", "a", {"n": 1}, expected_version=0)
+        seen = _count_execute_command(given)
+        await _kv_calls(other)
+        assert seen == Counter({"EVALSHA": 5, "HGET": 2}), seen  # put, range, ranges, scan, delete; two gets
+        await other.close()
+    finally:
+        await given.aclose()
+
+
+@spec("BACK-3", "BACK-7")
+async def test_a_lone_call_on_a_connection_the_server_closed_reconnects(redis_url: str, prefix: str) -> None:
+    """A pooled connection the server closed while it was idle (``CLIENT KILL``: an
+    idle timeout, a restart) is not used for the next lone call as it is: the call is
+    sent on a new connection and answers. (Through redis-py's ``execute_command`` —
+    before issue 16's change, or with ``auto_pipeline=False`` — redis-py 8 with its
+    RESP3 maintenance notifications sends it on the closed connection, and the call
+    fails with ``BackendUnavailableError``.)"""
+    kv = RedisKv(url=redis_url, prefix=prefix)
+    watcher = AsyncRedis.from_url(redis_url)
+    await kv.open()
+    try:
+        await kv.put("s", "inbox", "a", {"n": 1}, expected_version=0)
+        idle_id = await kv.client.client_id()
+        await watcher.client_kill_filter(_id=idle_id)
+        assert await _server_ended(watcher, idle_id)
+        assert await kv.get("s", "inbox", "a") == Versioned({"n": 1}, 1)
+        assert await kv.client.client_id() != idle_id
+    finally:
+        await watcher.aclose()
+        await kv.close()
+
+
+@spec("BACK-3", "BACK-7")
+async def test_a_lone_call_cancelled_midway_leaves_no_reply_for_the_next_one(redis_url: str, prefix: str) -> None:
+    """A lone call cancelled while it waits for its reply takes its connection down with
+    it: the server sees that session end (the blocked command never gets its element),
+    and the next call, on another connection, reads its own reply — never the late reply
+    of the cancelled one."""
+    kv = RedisKv(url=redis_url, prefix=prefix)
+    watcher = AsyncRedis.from_url(redis_url)
+    await kv.open()
+    try:
+        await kv.put("s", "inbox", "a", {"n": 1}, expected_version=0)  # a first connection, now idle
+        assert kv._pipeline is not None
+        waits = asyncio.ensure_future(kv._pipeline.call("BZPOPMIN", f"{prefix}:wait", 60))
+        waiting: list[Any] = []
+        for _ in range(200_000):  # until the server lists the call blocked (no other test uses BZPOPMIN)
+            waiting = [c for c in await watcher.client_list() if c.get("cmd") == "bzpopmin"]
+            if waiting or waits.done():
+                break
+        assert len(waiting) == 1 and not waits.done(), (waiting, waits)
+        waits.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waits
+        assert await _server_ended(watcher, int(waiting[0]["id"]))
+        await watcher.zadd(f"{prefix}:wait", {"late": 1})
+        assert await kv.get("s", "inbox", "a") == Versioned({"n": 1}, 1)
+        assert await watcher.zcard(f"{prefix}:wait") == 1  # nobody took it
+    finally:
+        await watcher.aclose()
+        await kv.close()
+
+
 @spec("GUAR-1", "BACK-3")
 async def test_durability_settings_are_what_the_server_says(redis_url: str, sync_client: redis.Redis) -> None:
     """``CONFIG GET appendonly`` / ``appendfsync`` of the server the kv writes to, whatever

@@ -48,6 +48,11 @@ class _DirectSend:
     bytes silently; reading the reply then fails with redis-py's ``ConnectionError`` —
     an error either way, and the command was not sent twice."""
 
+    lean_send = True
+    """Marks the connections of the clients the backend builds from a URL: the
+    auto-pipeline sends a lone command on one of them by hand
+    (:func:`botmesh.redis_store._pipeline._lean_call`)."""
+
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         conn: Any = self  # (a redis-py connection: its attributes are untyped there)
         writer = getattr(conn, "_writer", None)

@@ -378,10 +378,13 @@ class RedisKv(DurableKv):
 
     ``prefix`` — see :func:`check_prefix`. ``logger`` — where driver errors are
     reported (``logger.error``); default ``logging.getLogger("botmesh.redis_store")``.
-    ``auto_pipeline`` (default True) — on a standalone server, ``get``/``put``/``delete``
-    calls made while others are in flight go out together as one pipeline (one round
-    trip; see :mod:`botmesh.redis_store._pipeline`); False: one connection and one round
-    trip per call. A ``RedisCluster`` never pipelines.
+    ``auto_pipeline`` (default True) — on a standalone server, the kv's calls made while
+    others are in flight go out together as one pipeline (one round trip; see
+    :mod:`botmesh.redis_store._pipeline`), and a call alone, on a client the kv built
+    from ``url``, is sent on a pooled connection without redis-py's per-command
+    machinery (its retry wrapper and metrics hooks; ``_pipeline._lean_call``); False:
+    one connection and one round trip per call, through redis-py's ``execute_command``.
+    A ``RedisCluster`` never pipelines.
     ``client_options`` (only with ``url`` or ``cluster``) — more keyword arguments for the
     redis-py client the kv builds (``Redis.from_url`` / ``RedisCluster``), over its own
     (no retries, the socket timeouts, the driver's name): for example TLS settings, a
@@ -690,12 +693,17 @@ class RedisKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)`` (one ``ZRANGEBYSCORE``; Redis orders equal scores by
-        member bytes, i.e. by code point)."""
+        member bytes, i.e. by code point). On a standalone server with a ``limit`` Redis
+        takes, the read is the ``ranges`` script of :meth:`ranges` with one key, sent as
+        every other command of the kv (auto-pipelined; issue 16)."""
         upper = check_range(scope, space, upto)
         keys = self.keys_of(scope, space)
         name = keys[check_index(index)]  # ValueError for an unknown name
         top = "+inf" if upper == math.inf else ("-inf" if upper == -math.inf else repr(upper))
         exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
+        if exact and self._pipeline is not None and isinstance(self._live_client(), Redis):
+            (flat,) = await self._call("range", self._command("EVALSHA", "ranges", [name], [top, str(limit)]))
+            return [(float(flat[i + 1]), _s(flat[i])) for i in range(0, len(flat), 2)]
         rows = await self._call(
             "range",
             lambda c, _: c.zrangebyscore(
@@ -725,7 +733,7 @@ class RedisKv(DurableKv):
             return []
         top = "+inf" if upper == math.inf else ("-inf" if upper == -math.inf else repr(upper))
         args = [top, str(limit)]
-        replies = await self._call("range", lambda c, s: s["ranges"](keys=names, args=args))
+        replies = await self._call("range", self._command("EVALSHA", "ranges", names, args))
         return [[(float(flat[i + 1]), _s(flat[i])) for i in range(0, len(flat), 2)] for flat in replies]
 
     async def scan(
@@ -739,7 +747,7 @@ class RedisKv(DurableKv):
         low = b"-" if after is None else b"(" + _b(after)
         exact = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0
         args = [low, str(limit if exact else -1).encode()]
-        flat = await self._call("scan", lambda c, s: s["scan"](keys=[keys["records"], keys["keys"]], args=args))
+        flat = await self._call("scan", self._command("EVALSHA", "scan", [keys["records"], keys["keys"]], args))
         result = [(_s(flat[i]), _decode_record(flat[i + 1], keys["records"], _s(flat[i]))) for i in range(0, len(flat), 2)]
         return result if exact else result[:limit]
 
