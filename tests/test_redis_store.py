@@ -468,16 +468,22 @@ async def test_matrix_incarnations_keep_idle_connections_and_drop_the_ones_in_fl
 
 
 def _count_execute_command(client: AsyncRedis) -> Counter[str]:
-    """Count the commands ``client`` sends through redis-py's ``execute_command`` (the
-    instance attribute shadows the method; the kv's auto-pipeline looks it up per call)."""
+    """Count the commands ``client`` sends through redis-py's ``execute_command``, and
+    its pipelines as ``"pipeline"`` (the instance attributes shadow the methods; the
+    kv's auto-pipeline looks them up per call)."""
     seen: Counter[str] = Counter()
-    plain = client.execute_command
+    plain, plain_pipeline = client.execute_command, client.pipeline
 
     async def counted(*args: Any, **options: Any) -> Any:
         seen[str(args[0]).upper()] += 1
         return await plain(*args, **options)
 
+    def pipeline(*args: Any, **options: Any) -> Any:
+        seen["pipeline"] += 1
+        return plain_pipeline(*args, **options)
+
     client.execute_command = counted  # type: ignore[method-assign]
+    client.pipeline = pipeline  # type: ignore[method-assign]
     return seen
 
 
@@ -490,6 +496,8 @@ async def _kv_calls(kv: RedisKv) -> None:
     assert [k for k, _ in await kv.scan("s", "inbox")] == ["a", "b"]
     await kv.delete("s", "inbox", "b", expected_version=1)
     assert await kv.get("s", "inbox", "b") is None
+    together = await asyncio.gather(*(kv.get("s", "inbox", k) for k in "aab"))  # one alone, then a batch of two
+    assert together == [Versioned({"n": 1}, 1), Versioned({"n": 1}, 1), None]
 
 
 @spec("BACK-3", "BACK-7")
@@ -498,8 +506,10 @@ async def test_a_lone_call_of_a_kv_built_from_a_url_skips_execute_command(redis_
     is in flight is sent on an idle pooled connection by hand, without redis-py's
     ``execute_command`` (its retry wrapper, locks and metrics hooks cost ~30 % of the
     client's CPU per command) — get, put, delete and the scripts of range, ranges and
-    scan alike, with the same answers. On a client the caller built, which the kv does
-    not know the pool or connections of, every call takes ``execute_command``."""
+    scan alike, with the same answers —, and so are the batches of calls made while
+    one is in flight, instead of a redis-py pipeline. On a client the caller built,
+    which the kv does not know the pool or connections of, every call takes
+    ``execute_command`` and every batch a pipeline."""
     kv = RedisKv(url=redis_url, prefix=f"{prefix}:own")
     await kv.open()
     try:
@@ -516,7 +526,8 @@ async def test_a_lone_call_of_a_kv_built_from_a_url_skips_execute_command(redis_
         await other.put("s", "inbox", "a", {"n": 1}, expected_version=0)
         seen = _count_execute_command(given)
         await _kv_calls(other)
-        assert seen == Counter({"EVALSHA": 5, "HGET": 2}), seen  # put, range, ranges, scan, delete; two gets
+        # put, range, ranges, scan, delete; two gets, one more alone, a pipeline of two
+        assert seen == Counter({"EVALSHA": 5, "HGET": 3, "pipeline": 1}), seen
         await other.close()
     finally:
         await given.aclose()

@@ -50,8 +50,8 @@ class _DirectSend:
 
     lean_send = True
     """Marks the connections of the clients the backend builds from a URL: the
-    auto-pipeline sends a lone command on one of them by hand
-    (:func:`botmesh.redis_store._pipeline._lean_call`)."""
+    auto-pipeline sends a lone command or a batch on one of them by hand
+    (:func:`botmesh.redis_store._pipeline._lean_send`)."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         conn: Any = self  # (a redis-py connection: its attributes are untyped there)

@@ -19,9 +19,9 @@ reading the record back. A ``NOSCRIPT`` reply (the server lost its script cache,
 after a restart) means that command did not run: the scripts are loaded again and those
 commands sent once more — the only resend, as with redis-py's own ``Script`` objects.
 
-A lone call on a client the kv built itself (:func:`_lean_connection`) is sent on a
-connection of the client's pool taken by hand, not through redis-py's
-``execute_command`` (issue 16): see :func:`_lean_call`.
+On a client the kv built itself (:func:`_lean_connection`), a lone call and a batch are
+sent on a connection of the client's pool taken by hand, not through redis-py's
+``execute_command`` or its pipelines (issue 16): see :func:`_lean_send`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ConnectionError as DriverConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as DriverTimeoutError
 
 __all__ = ["AutoPipeline"]
@@ -44,7 +44,7 @@ _Entry = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
 def _lean_connection(client: Redis) -> Any:
     """An idle, connected connection of ``client``'s pool, checked out of the pool as
     the pool's own ``get_connection`` does (moved to its in-use set), for
-    :func:`_lean_call`; None — redis-py's ``execute_command`` then sends the command —
+    :func:`_lean_send`; None — redis-py's ``execute_command`` or pipeline then sends it —
     unless ``client`` is one the kv built from a URL (its connection class made by
     :func:`~botmesh.redis_store._driver.direct_send`) with redis-py's plain
     ``ConnectionPool``, no single connection of its own, no credential provider (whose
@@ -67,56 +67,65 @@ def _lean_connection(client: Redis) -> Any:
     return connection
 
 
-async def _lean_call(client: Redis, connection: Any, command: tuple[Any, ...]) -> Any:
-    """Send ``command`` on ``connection`` (from :func:`_lean_connection`) and read its
-    reply, as ``execute_command`` would on a client without retries, then give the
-    connection back to the pool.
+async def _lean_send(client: Redis, connection: Any, commands: list[tuple[Any, ...]]) -> list[Any] | None:
+    """Send ``commands`` (``execute_command`` arguments each) on ``connection`` (from
+    :func:`_lean_connection`) in one write and read their replies — each the reply as
+    ``execute_command`` gives it (the client's response callback applied), or the
+    ``ResponseError`` the server answered for it, as a non-transactional pipeline
+    executed with ``raise_on_error=False`` gives them — then give the connection back
+    to the pool. None when the connection failed the pool's check: nothing was sent.
 
     redis-py 8's ``execute_command`` wraps every command in its retry machinery, its
     observability hooks (awaited even when no metrics are collected), a lock around
     taking the connection from the pool and another around giving it back, and an
-    event dispatched at the release: measured on this project's VM, 174-242 us of
-    client CPU per ``HGET`` against 119-139 us sent this way, and 9 % of the client's
-    instructions in a Redis crash cell. What is kept of it: the pool's check of a
-    connection before use (one with unread bytes, or that the server closed, is not
-    used here: the connection goes back and ``execute_command`` checks it, reconnecting
-    it if need be), redis-py's own ``send_command`` and ``read_response`` (the socket
-    timeouts; a connection whose command failed or was cancelled midway is
-    disconnected, so none goes back to the pool with a reply unread), the client's
-    response callback of the command, and a connection redis-py marked for reconnection
-    disconnected on its way back. What is not: redis-py's metrics of the command and
-    the pool (its OpenTelemetry observability, off unless configured), which do not
-    count these commands.
+    event dispatched at the release (its pipelines alike): measured on this project's
+    VM, 174-242 us of client CPU per ``HGET`` against 119-139 us sent this way. What is
+    kept of it: the pool's check of a connection before use, redis-py's own packing,
+    ``send_packed_command`` and ``read_response`` (the socket timeouts; a connection
+    whose read failed or was cancelled midway is disconnected, so none goes back to the
+    pool with a reply unread), the client's response callbacks, and a connection
+    redis-py marked for reconnection disconnected on its way back. What is not:
+    redis-py's metrics of the commands and the pool (its OpenTelemetry observability,
+    off unless configured), which do not count these commands.
 
     A connection that fails the pool's check — the server closed it while it was idle
     (an idle timeout, a restart, ``CLIENT KILL``), or it holds bytes nobody asked for —
-    is disconnected and the command goes to ``execute_command``, which connects it
-    again. (redis-py 8's own check lets such a connection through when its
+    is disconnected and given back (the caller then sends through redis-py, which
+    connects it again). redis-py 8's own check lets such a connection through when its
     maintenance notifications are on, the RESP3 default: the command then fails with
     "Connection closed by server", which the kv reports as ``BackendUnavailableError``;
-    here it is sent on the new connection. The command had not been sent: nothing is
-    sent twice.)"""
+    here it goes out on the new connection. Nothing had been sent: nothing is sent
+    twice."""
     pool = client.connection_pool
     try:
         try:
             dirty = await connection.can_read()
         except (DriverConnectionError, DriverTimeoutError, OSError):
             dirty = True
-        if dirty:  # closed by the server, or bytes nobody asked for: reconnected by execute_command
+        if dirty:
             await connection.disconnect()
+            return None
+        if len(commands) == 1:
+            await connection.send_command(*commands[0])
         else:
-            await connection.send_command(*command)
-            response = await connection.read_response()
+            await connection.send_packed_command(connection.pack_commands(commands))
+        replies: list[Any] = []
+        callbacks = client.response_callbacks
+        for command in commands:
+            try:
+                reply = await connection.read_response()
+            except ResponseError as exc:  # the server's answer to this command: the others are read on
+                replies.append(exc)
+                continue
+            callback = callbacks.get(command[0])
+            replies.append(reply if callback is None else callback(reply))
+        return replies
     finally:
         pool._in_use_connections.discard(connection)
         reconnect = getattr(connection, "should_reconnect", None)
         if reconnect is not None and reconnect():
             await connection.disconnect()
         pool._available_connections.append(connection)
-    if dirty:
-        return await cast(Callable[..., Awaitable[Any]], client.execute_command)(*command)
-    callback = client.response_callbacks.get(command[0])
-    return response if callback is None else callback(response)
 
 
 class AutoPipeline:
@@ -145,9 +154,12 @@ class AutoPipeline:
             send = cast(Callable[..., Awaitable[Any]], client.execute_command)  # untyped in redis-py
             try:
                 connection = _lean_connection(client)
-                if connection is not None:
-                    return await _lean_call(client, connection, command)
-                return await send(*command)
+                replies = None if connection is None else await _lean_send(client, connection, [command])
+                if replies is None:
+                    return await send(*command)
+                if isinstance(replies[0], ResponseError):
+                    raise replies[0]
+                return replies[0]
             except NoScriptError:  # it did not run: load the script, send it again
                 source = self._script(command[1]) if command[0] == "EVALSHA" else None
                 if source is None:
@@ -181,10 +193,13 @@ class AutoPipeline:
                 continue
             try:
                 client = self._client()
-                pipe = client.pipeline(transaction=False)
-                for command, _ in batch:
-                    pipe.execute_command(*command)
-                results = await pipe.execute(raise_on_error=False)
+                connection = _lean_connection(client)
+                results = None if connection is None else await _lean_send(client, connection, [c for c, _ in batch])
+                if results is None:
+                    pipe = client.pipeline(transaction=False)
+                    for command, _ in batch:
+                        pipe.execute_command(*command)
+                    results = await pipe.execute(raise_on_error=False)
             except asyncio.CancelledError:
                 for _, future in batch:
                     future.cancel()

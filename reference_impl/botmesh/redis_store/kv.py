@@ -380,10 +380,10 @@ class RedisKv(DurableKv):
     reported (``logger.error``); default ``logging.getLogger("botmesh.redis_store")``.
     ``auto_pipeline`` (default True) — on a standalone server, the kv's calls made while
     others are in flight go out together as one pipeline (one round trip; see
-    :mod:`botmesh.redis_store._pipeline`), and a call alone, on a client the kv built
-    from ``url``, is sent on a pooled connection without redis-py's per-command
-    machinery (its retry wrapper and metrics hooks; ``_pipeline._lean_call``); False:
-    one connection and one round trip per call, through redis-py's ``execute_command``.
+    :mod:`botmesh.redis_store._pipeline`); on a client the kv built from ``url``, a
+    call alone and such a batch are sent on a pooled connection without redis-py's
+    per-command machinery (its retry wrapper and metrics hooks;
+    ``_pipeline._lean_send``). False: one connection and one round trip per call, through redis-py's ``execute_command``.
     A ``RedisCluster`` never pipelines.
     ``client_options`` (only with ``url`` or ``cluster``) — more keyword arguments for the
     redis-py client the kv builds (``Redis.from_url`` / ``RedisCluster``), over its own
