@@ -383,8 +383,8 @@ class RedisKv(DurableKv):
     :mod:`botmesh.redis_store._pipeline`); on a client the kv built from ``url``, a
     call alone and such a batch are sent on a pooled connection without redis-py's
     per-command machinery (its retry wrapper and metrics hooks;
-    ``_pipeline._lean_send``). False: one connection and one round trip per call, through redis-py's ``execute_command``.
-    A ``RedisCluster`` never pipelines.
+    ``_pipeline._lean_send``). False: one connection and one round trip per call,
+    through redis-py's ``execute_command``. A ``RedisCluster`` never pipelines.
     ``client_options`` (only with ``url`` or ``cluster``) — more keyword arguments for the
     redis-py client the kv builds (``Redis.from_url`` / ``RedisCluster``), over its own
     (no retries, the socket timeouts, the driver's name): for example TLS settings, a
