@@ -378,13 +378,11 @@ class RedisKv(DurableKv):
 
     ``prefix`` — see :func:`check_prefix`. ``logger`` — where driver errors are
     reported (``logger.error``); default ``logging.getLogger("botmesh.redis_store")``.
-    ``auto_pipeline`` (default True) — on a standalone server, the kv's calls made while
-    others are in flight go out together as one pipeline (one round trip; see
-    :mod:`botmesh.redis_store._pipeline`); on a client the kv built from ``url``, a
-    call alone and such a batch are sent on a pooled connection without redis-py's
-    per-command machinery (its retry wrapper and metrics hooks;
-    ``_pipeline._lean_send``). False: one connection and one round trip per call,
-    through redis-py's ``execute_command``. A ``RedisCluster`` never pipelines.
+    ``auto_pipeline`` (default True) — on a standalone server, calls made while others
+    are in flight go out together as one pipeline (one round trip), and on a client
+    built from ``url`` calls skip redis-py's per-command machinery (retry wrapper,
+    metrics hooks; see :mod:`botmesh.redis_store._pipeline`); False: a round trip per
+    call through ``execute_command``. A ``RedisCluster`` never pipelines.
     ``client_options`` (only with ``url`` or ``cluster``) — more keyword arguments for the
     redis-py client the kv builds (``Redis.from_url`` / ``RedisCluster``), over its own
     (no retries, the socket timeouts, the driver's name): for example TLS settings, a
@@ -693,9 +691,7 @@ class RedisKv(DurableKv):
     ) -> list[tuple[float, str]]:
         """Up to ``limit`` entries ``(score, key)`` of ``index`` with ``score <= upto``,
         ascending by ``(score, key)`` (one ``ZRANGEBYSCORE``; Redis orders equal scores by
-        member bytes, i.e. by code point). On a standalone server with a ``limit`` Redis
-        takes, the read is the ``ranges`` script of :meth:`ranges` with one key, sent as
-        every other command of the kv (auto-pipelined; issue 16)."""
+        member bytes, i.e. by code point; standalone: the ``ranges`` script, pipelined)."""
         upper = check_range(scope, space, upto)
         keys = self.keys_of(scope, space)
         name = keys[check_index(index)]  # ValueError for an unknown name
