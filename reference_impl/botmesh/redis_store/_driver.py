@@ -51,7 +51,9 @@ class _DirectSend:
     lean_send = True
     """Marks the connections of the clients the backend builds from a URL: the
     auto-pipeline sends a lone command or a batch on one of them by hand
-    (:func:`botmesh.redis_store._pipeline._lean_send`)."""
+    (:func:`botmesh.redis_store._pipeline._lean_send`). Set False by
+    :func:`direct_send` for a connection class without ``can_read`` (redis-py before
+    8, which has only ``can_read_destructive``): those take redis-py's own path."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         conn: Any = self  # (a redis-py connection: its attributes are untyped there)
@@ -86,7 +88,8 @@ def direct_send(connection_class: type) -> type:
     made = _DIRECT.get(connection_class)
     if made is None:
         made = _DIRECT[connection_class] = type(connection_class.__name__, (_DirectSend, connection_class),
-                                                {"__module__": __name__})
+                                                {"__module__": __name__,
+                                                 "lean_send": hasattr(connection_class, "can_read")})
     return made
 
 
