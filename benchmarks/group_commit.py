@@ -22,7 +22,9 @@ store's ``GroupCommit.max_items`` set to 1: every write flushed alone, as before
 — the baseline of the same run).
 
 Raw medium, measured in the same run, same directory, interleaved with the bot runs:
-(a) ~200-byte appends each followed by ``os.fsync``; (c) single-row SQLite ``INSERT``
+(a) ~200-byte appends each followed by ``os.fsync``; for context only, (b) the same line
+written in place into a zero-filled file, each followed by ``os.fdatasync`` (what a
+preallocated log could get: no size change to make durable); (c) single-row SQLite ``INSERT``
 autocommits with WAL and ``synchronous=FULL``.
 
 Medium operations per message: counted in the timed run itself — the log's fsync'ed
@@ -175,6 +177,25 @@ def raw_append(path: str, n: int) -> float:
         os.remove(path)
 
 
+def raw_in_place(path: str, n: int) -> float:
+    """(b): the same line written at its offset into a file already zero-filled and
+    fsync'ed (untimed), each followed by ``os.fdatasync``: no size change and no block
+    allocation to make durable, only the data — what a preallocated log could get from
+    the same disk. Context only: no journal here writes so."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, bytes(n * len(LINE)))
+        os.fsync(fd)
+        t0 = time.perf_counter()
+        for i in range(n):
+            os.pwrite(fd, LINE, i * len(LINE))
+            os.fdatasync(fd)
+        return n / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
 def raw_sqlite(path: str, n: int) -> float:
     conn = sqlite3.connect(path, isolation_level=None)
     try:
@@ -222,12 +243,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print()
     runs: dict[tuple[str, str], list[Run]] = {}
     raw: dict[str, list[float]] = {"file+log": [], "sqlite": []}
+    in_place: list[float] = []
     started = time.perf_counter()
     try:
         for rnd in range(args.repeat):
             for kind in args.backends:
                 where = os.path.join(root, f"raw-{kind}-{rnd}")
                 raw[kind].append(raw_append(where, 4 * total) if kind == "file+log" else raw_sqlite(where, 4 * total))
+                if kind == "file+log":
+                    in_place.append(raw_in_place(where + "-in-place", 4 * total))
                 for label, chats, grouped in variants:
                     workdir = os.path.join(root, f"{kind}-{rnd}-{chats}-{grouped}")
                     run = await run_bot(kind, workdir, chats, total // chats, grouped=grouped, tag=f"r{rnd}-")
@@ -267,6 +291,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print()
     print("Raw medium (best; median) — " + "; ".join(
         f"{medium[k]}: {fmt(max(raw[k]))}; {fmt(statistics.median(raw[k]))} ops/s" for k in args.backends))
+    if in_place:
+        result["raw"]["file+log in place"] = {"best": max(in_place), "median": statistics.median(in_place)}
+        print(f"For context, not a medium of these rows — (b) the same line in place in a zero-filled file + fdatasync: "
+              f"{fmt(max(in_place))}; {fmt(statistics.median(in_place))} ops/s")
     print("vs 1 chat = best msg/s / best msg/s of the same backend with 1 chat (same run). ops/msg = medium ops per "
           "message\n(journal flushes + store commits, counted in the timed runs). medium share = msg/s x ops/msg / raw "
           "ops/s.\nCPU us/msg = CPU time of this process (bot, kv, fsync/commit system time) per message; client CPU = "
