@@ -48,12 +48,13 @@ class _DirectSend:
     bytes silently; reading the reply then fails with redis-py's ``ConnectionError`` —
     an error either way, and the command was not sent twice."""
 
-    lean_send = True
+    lean_send = False
     """Marks the connections of the clients the backend builds from a URL: the
     auto-pipeline sends a lone command or a batch on one of them by hand
-    (:func:`botmesh.redis_store._pipeline._lean_send`). Set False by
-    :func:`direct_send` for a connection class without ``can_read`` (redis-py before
-    8, which has only ``can_read_destructive``): those take redis-py's own path."""
+    (:func:`botmesh.redis_store._pipeline._lean_send`). Every class :func:`direct_send`
+    makes sets it: True when the connection class has ``can_read`` (redis-py 8); a
+    class without it (redis-py before 8, which has only ``can_read_destructive``) takes
+    redis-py's own path."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         conn: Any = self  # (a redis-py connection: its attributes are untyped there)
